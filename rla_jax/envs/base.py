@@ -1,0 +1,78 @@
+"""The protocol every setting implements (structural typing, no base class).
+
+An environment module provides task specs (JSON-able dicts), episodes that
+step on text actions, the prompts the policy and the reward model see, and a
+`rewrite` hook the curator calls to make a task harder or easier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+# Text in, text out: the environment LLM (prompts -> completions).
+GenerateFn = Callable[[Sequence[str]], list[str]]
+
+
+class RewriteRejected(Exception):
+  """The environment could not turn the LLM's proposals into a valid task."""
+
+
+class Episode(Protocol):
+  """One play-through of one task spec; not shared between threads."""
+
+  def reset(self) -> str:
+    """Starts the episode; returns the first observation."""
+
+  def step(self, action: str) -> tuple[str, bool, float | None]:
+    """Applies an action; returns (observation, done, outcome or None).
+
+    `outcome` is +1.0 / -1.0 once the episode is decided, else None.
+    Raising marks the trajectory as an environment error.
+    """
+
+  def close(self) -> None:
+    """Releases resources (processes, files)."""
+
+
+class Environment(Protocol):
+  """A setting: task source, episodes, prompt rendering, task rewriting."""
+
+  max_turns: int
+
+  def tasks(self, split: str) -> list[dict[str, Any]]:
+    """Task specs of a split ('train' or 'eval'); each has a unique 'id'."""
+
+  def make_episode(self, spec: dict[str, Any], seed: int) -> Episode:
+    """A fresh episode of `spec`."""
+
+  def policy_messages(self, spec: dict[str, Any],
+                      turns: Sequence[tuple[str, str]],
+                      observation: str) -> list[dict[str, str]]:
+    """Chat messages for the policy's next turn.
+
+    `turns` holds (observation, action) pairs of earlier turns. A final
+    'assistant' message is an answer prefix that the response continues.
+    """
+
+  def parse_action(self, response: str, observation: str) -> str:
+    """The action text to execute from the policy's response."""
+
+  def judge_messages(self, spec: dict[str, Any], policy_prompt: str,
+                     response: str, next_observation: str) -> list[dict[str,
+                                                                         str]]:
+    """Chat messages asking the RM to score one step (answer in \\boxed{}).
+
+    A final 'assistant' message is an answer prefix, as in policy_messages.
+    """
+
+  def describe(self, spec: dict[str, Any]) -> str:
+    """Short task text for critique and rewrite prompts."""
+
+  def difficulty(self, spec: dict[str, Any]) -> float:
+    """A scalar difficulty for metrics (higher is harder)."""
+
+  def rewrite(self, spec: dict[str, Any], direction: str,
+              critiques: Sequence[str], generate: GenerateFn,
+              attempts: int) -> dict[str, Any]:
+    """A harder/easier version of `spec`; raises RewriteRejected."""

@@ -1,0 +1,104 @@
+"""Plain host-side records passed between the stages of one epoch.
+
+Everything here is JSON-friendly Python (no arrays), so it can be logged,
+checkpointed and tested without JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+HARDER = 'harder'
+EASIER = 'easier'
+
+# Trajectory.status values
+OK = 'ok'
+ERROR = 'error'  # the environment failed; excluded from training, counted
+
+
+@dataclasses.dataclass
+class Rewrite:
+  """A candidate rewrite of a task, waiting to be measured next epoch."""
+
+  spec: dict[str, Any]
+  direction: str  # HARDER | EASIER
+  acc_old: float  # accuracy of the active version when the rewrite was asked
+  epoch: int  # epoch in which it was created
+  critiques: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Task:
+  """One slot of the task pool: a source task, its active version, lineage."""
+
+  task_id: str
+  root: dict[str, Any]  # version 0, never changed
+  active: dict[str, Any]  # the version that is rolled out
+  version: int = 0
+  history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  pending: Rewrite | None = None
+
+
+@dataclasses.dataclass
+class Step:
+  """One policy turn: what it saw, what it said, what happened next."""
+
+  prompt: str
+  prompt_tokens: list[int]
+  response: str
+  response_tokens: list[int]
+  logprobs: list[float]  # sampler log-probs of response_tokens
+  action: str  # the action parsed from the response, sent to the environment
+  observation: str  # the environment's reply to the action
+  finish_reason: str
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One rollout of one task version."""
+
+  task_id: str
+  source: str  # 'active' or 'pending' (a rewrite being measured)
+  rollout: int  # 0..G-1 within the group of this task version
+  spec: dict[str, Any]
+  steps: list[Step] = dataclasses.field(default_factory=list)
+  outcome: float = -1.0  # O: +1 success, -1 failure
+  status: str = OK
+  error: str | None = None
+
+  @property
+  def group(self) -> tuple[str, str]:
+    """Rollouts of the same task version share a group (for advantages)."""
+    return (self.task_id, self.source)
+
+
+@dataclasses.dataclass
+class Judgment:
+  """One reward-model sample for one policy step."""
+
+  task_id: str
+  source: str
+  rollout: int
+  step: int  # index into Trajectory.steps
+  sample: int  # 0..m-1
+  prompt: str
+  prompt_tokens: list[int]
+  response: str
+  response_tokens: list[int]
+  logprobs: list[float]
+  score: int  # S in {-1, 0, +1}; 0 when unparseable
+  parsed: bool
+
+  @property
+  def group(self) -> tuple[str, str]:
+    return (self.task_id, self.source)
+
+
+@dataclasses.dataclass
+class Example:
+  """One training sequence: tokens and its scalar (sequence-level) advantage."""
+
+  prompt_tokens: list[int]
+  response_tokens: list[int]
+  advantage: float
