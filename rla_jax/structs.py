@@ -26,6 +26,7 @@ class Rewrite:
   acc_old: float  # accuracy of the active version when the rewrite was asked
   epoch: int  # epoch in which it was created
   critiques: list[str] = dataclasses.field(default_factory=list)
+  unmeasured: int = 0  # epochs in which none of its rollouts finished
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -270,6 +270,17 @@ def load_tokenizer(path: str):
   if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
     return None
   import transformers  # pylint: disable=g-import-not-at-top
+  declared = None
+  config_file = os.path.join(path, 'tokenizer_config.json')
+  if os.path.exists(config_file):
+    with open(config_file) as f:
+      declared = json.load(f).get('tokenizer_class')
+  # AutoTokenizer prefers the model type's tokenizer class over the declared
+  # generic one, which rebuilds (and breaks) custom tokenizer.json pipelines.
+  if declared in (None, 'PreTrainedTokenizerFast', 'TokenizersBackend') and (
+      os.path.exists(os.path.join(path, 'tokenizer.json'))):
+    return transformers.PreTrainedTokenizerFast.from_pretrained(
+        path, local_files_only=True)
   return transformers.AutoTokenizer.from_pretrained(path,
                                                     local_files_only=True)
 
@@ -285,7 +296,18 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
   with open(config_file) as f:
     config = config_from_hf(json.load(f), dtype=dtype,
                             param_dtype=param_dtype, where=config_file)
-  tensors = _map_checkpoint(path)
+  model = from_tensors(config, _map_checkpoint(path), path, mesh, rules)
+  return model, load_tokenizer(path)
+
+
+def from_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
+                 where: str, mesh=None,
+                 rules=sharding.DEFAULT_RULES) -> transformer.Transformer:
+  """The model from HF-named host arrays, each device reading only its slice.
+
+  `tensors` may be lazy (memory maps, or a Mapping that converts on lookup);
+  each needed name is looked up once.
+  """
   graphdef, abstract_state = nnx.split(transformer.abstract_model(config))
   abstract = nnx.to_pure_dict(abstract_state)
   if mesh is None:
@@ -297,12 +319,13 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
   used = set()
   for our_path, name, to_ours, _ in _param_table(config):
     if name not in tensors:
-      raise CheckpointError(f'{path}: tensor {name!r} is missing')
+      raise CheckpointError(f'{where}: tensor {name!r} is missing')
     target = _get_path(abstract, our_path)
-    view = to_ours(tensors[name])
+    array = tensors[name]
+    view = to_ours(array)
     if tuple(view.shape) != tuple(target.shape):
       raise CheckpointError(
-          f'{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, '
+          f'{where}: tensor {name!r} has shape {tuple(array.shape)}, '
           f'which does not fit config.json (expected {tuple(target.shape)} '
           'in our layout)')
     used.add(name)
@@ -311,9 +334,9 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
         lambda idx, view=view, dt=target.dtype: np.asarray(view[idx], dt)))
   extra = sorted(set(tensors) - used - {'lm_head.weight'})
   if extra:
-    logging.warning('%s: ignoring %d unknown tensors, e.g. %s', path,
+    logging.warning('%s: ignoring %d unknown tensors, e.g. %s', where,
                     len(extra), extra[:3])
-  return nnx.merge(graphdef, params), load_tokenizer(path)
+  return nnx.merge(graphdef, params)
 
 
 def _host(x: jax.Array) -> np.ndarray:

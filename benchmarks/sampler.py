@@ -1,0 +1,205 @@
+"""Sampler throughput: ours against transformers `generate` (and tunix).
+
+  .venv/bin/python benchmarks/sampler.py [--tunix-python /tmp/tunix-venv/bin/python]
+
+The tiny random Qwen2 of STACK.md 2.3 (12.1M params, tied 32k vocabulary) is
+saved as a Hugging Face folder; batch 8, prompt 64, 128 new tokens, sampling
+at temperature 1 with no early stop. The sides run alternately in one process
+(tunix in its own venv, as a subprocess that waits for each round), 5 timed
+rounds after a warm-up; compile time is excluded. Also prints where our time
+goes and a two-turn conversation with and without the held KV cache. About
+3 minutes on a 2-core CPU. The last line is
+`ratio_vs_transformers=<float> ratio_vs_tunix=<float or nan>`.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rla_jax import sampler  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from rla_jax.models import hf  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def make_model(path):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  config = transformers.Qwen2Config(
+      vocab_size=32000, hidden_size=256, intermediate_size=1024,
+      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+      max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1,
+      eos_token_id=2, pad_token_id=0)
+  transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def load():
+  return f'load={"/".join(f"{x:.1f}" for x in os.getloadavg())}'
+
+
+def timed(fn):
+  start = time.perf_counter()
+  result = fn()
+  return time.perf_counter() - start, result
+
+
+class Tunix:
+  """The tunix peer process; `run` blocks until its generation is done."""
+
+  def __init__(self, python, path, prompts_file, new_tokens):
+    script = os.path.join(os.path.dirname(__file__), 'tunix_sampler_peer.py')
+    self.proc = subprocess.Popen(
+        [python, script, path, prompts_file, str(new_tokens)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    self.compile_s = self._read()['ready']
+
+  def _read(self):
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f'tunix peer exited with {self.proc.wait()}')
+    return json.loads(line)
+
+  def run(self, seed):
+    self.proc.stdin.write(f'run {seed}\n')
+    self.proc.stdin.flush()
+    reply = self._read()
+    return reply['seconds'], reply['tokens']
+
+  def close(self):
+    self.proc.stdin.write('quit\n')
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def sessions(model, prompts, new_tokens, rounds):
+  """Turn 2 of a conversation: held cache against a fresh prefill."""
+  rng = np.random.default_rng(1)
+  observations = [rng.integers(3, 32000, 32).tolist() for _ in prompts]
+  held, fresh = [], []
+  for r in range(rounds + 1):  # round 0 compiles
+    first = sampler.generate(model, prompts, new_tokens, keep_session=True,
+                             seed=r)
+    whole = [p + t + o for p, t, o in zip(prompts, first.tokens, observations)]
+    t_held, _ = timed(lambda: sampler.generate(  # pylint: disable=cell-var-from-loop
+        model, observations, new_tokens, session=first.session, seed=r))
+    t_fresh, _ = timed(lambda: sampler.generate(  # pylint: disable=cell-var-from-loop
+        model, whole, new_tokens, seed=r))
+    if r:
+      held.append(t_held)
+      fresh.append(t_fresh)
+  print(f'turn 2 ({len(whole[0])}-token conversation, {new_tokens} new): '
+        f'held cache {statistics.median(held) * 1e3:.0f} ms, '
+        f'fresh prefill {statistics.median(fresh) * 1e3:.0f} ms ({load()})')
+
+
+def main(workdir):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--tunix-python', default=None)
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--batch', type=int, default=8)
+  parser.add_argument('--prompt', type=int, default=64)
+  parser.add_argument('--new', type=int, default=128)
+  parser.add_argument('--torch-threads', type=int, default=0,
+                      help='0: whichever of 1..cpu_count is fastest here')
+  parser.add_argument('--skip-sessions', action='store_true')
+  args = parser.parse_args()
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, 'tiny-qwen2')
+  make_model(path)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 32000, args.prompt).tolist()
+             for _ in range(args.batch)]
+  prompts_file = os.path.join(workdir, 'prompts.json')
+  with open(prompts_file, 'w') as f:
+    json.dump(prompts, f)
+  expected = args.batch * args.new
+
+  ours_model, _ = hf.load(path)
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+  input_ids = torch.tensor(prompts)
+
+  def ours(seed, new=args.new):
+    out = sampler.generate(ours_model, prompts, new, temperature=1.0,
+                           seed=seed)
+    return sum(out.num_tokens)
+
+  def transformers_generate(seed, new=args.new):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+      out = theirs.generate(
+          input_ids, attention_mask=torch.ones_like(input_ids),
+          do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+          max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+          pad_token_id=0)
+    return out[:, args.prompt:].numel()
+
+  compile_s, _ = timed(lambda: ours(0))
+  one_step = [timed(lambda: ours(0, 1))[0] for _ in range(4)][1:]
+  full = [timed(lambda: ours(0))[0] for _ in range(3)]
+  step_ms = (min(full) - min(one_step)) / (args.new - 1) * 1e3
+  print(f'ours: compile+first call {compile_s:.2f} s; call with 1 new token '
+        f'(prefill, 1 step, host work) {min(one_step) * 1e3:.0f} ms; decode '
+        f'step {step_ms:.2f} ms ({args.batch} rows); best full call '
+        f'{min(full) * 1e3:.0f} ms ({load()})')
+  # torch's threads collapse when the machine is oversubscribed (24 tok/s
+  # with 2 threads against 250 with 1 at load 5): give it its best setting.
+  threads = [args.torch_threads] if args.torch_threads else range(
+      1, os.cpu_count() + 1)
+  speed = {}
+  for n in threads:
+    torch.set_num_threads(n)
+    timed(lambda: transformers_generate(0, 16))
+    speed[n] = min(timed(lambda: transformers_generate(0, 16))[0]
+                   for _ in range(2))
+  torch.set_num_threads(min(speed, key=speed.get))
+  print('transformers: 16-token trial, torch threads ' + ', '.join(
+      f'{n}: {args.batch * 16 / t:.0f} tok/s' for n, t in speed.items())
+        + f'; using {torch.get_num_threads()} ({load()})')
+  tunix = None
+  if args.tunix_python:
+    tunix = Tunix(args.tunix_python, path, prompts_file, args.new)
+    print(f'tunix: compile+first call {tunix.compile_s:.2f} s')
+
+  rates = {'ours': [], 'transformers': [], 'tunix': []}
+  for r in range(1, args.rounds + 1):
+    line = []
+    for name, fn in (('ours', ours), ('transformers', transformers_generate),
+                     ('tunix', tunix.run if tunix else None)):
+      if fn is None:
+        continue
+      seconds, tokens = timed(lambda: fn(r))  # pylint: disable=cell-var-from-loop
+      if name == 'tunix':
+        seconds, tokens = tokens
+      assert tokens == expected, (name, tokens)
+      rates[name].append(tokens / seconds)
+      line.append(f'{name} {tokens / seconds:7.0f} tok/s')
+    print(f'round {r}: ' + ', '.join(line) + f' ({load()})', flush=True)
+  if tunix:
+    tunix.close()
+  medians = {k: statistics.median(v) if v else float('nan')
+             for k, v in rates.items()}
+  print('median tok/s: ' + ', '.join(f'{k} {v:.0f}' for k, v in
+                                       medians.items()))
+  if not args.skip_sessions:
+    sessions(ours_model, prompts, args.new, 3)
+  print(f'ratio_vs_transformers={medians["ours"] / medians["transformers"]:.3f}'
+        f' ratio_vs_tunix={medians["ours"] / medians["tunix"]:.3f}')
+
+
+if __name__ == '__main__':
+  scratch = tempfile.mkdtemp(prefix='sampler_bench_')
+  try:
+    main(scratch)
+  finally:
+    shutil.rmtree(scratch)

@@ -1,0 +1,164 @@
+"""Defaults shared by every setting; each configs/<name>.py starts from here.
+
+Values follow the authors' AlfWorld setting (RLANYTHING.md section 6) unless
+a comment says otherwise. Not a runnable config on its own (no env/models).
+"""
+
+import ml_collections
+
+# Table 1 rows of the paper, selectable as `--config=configs/x.py:<row>`.
+ABLATIONS = ('full', 'policy', 'policy_reward', 'outcome_only')
+
+
+def model_section(path: str = '') -> ml_collections.ConfigDict:
+  """policy / reward_model / env_model: where the weights come from."""
+  return ml_collections.ConfigDict(dict(
+      path=path,  # HF folder or .gguf file; '' = random model of `random`
+      dtype='float32',  # compute dtype ('bfloat16' on accelerators)
+      param_dtype='float32',  # master weights
+      seed=0,  # init seed of a random model
+      random=ml_collections.ConfigDict(dict(  # used only when path == ''
+          model_type='qwen2', hidden_size=64, intermediate_size=128,
+          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+          tie_word_embeddings=True)),
+  ))
+
+
+def sampling_section(**overrides) -> ml_collections.ConfigDict:
+  """Arguments of rla_jax.chat.complete / rla_jax.sampler.generate."""
+  section = dict(
+      temperature=0.8,
+      top_p=0.95,
+      top_k=0,  # 0 = off
+      max_new_tokens=2000,
+      max_prompt_len=2048,  # longer prompts keep their last tokens
+      stop_strings=(),
+      allowed_tokens=(),  # constrained decoding: only these tokens (strings)
+      prompt_buckets=(64, 128, 256, 512, 1024, 2048),  # padded prompt lengths
+      batch_buckets=(8, 16, 32, 64, 128, 256),  # padded batch sizes
+      max_rows=256,  # rows per sampler call; bigger batches are split
+  )
+  section.update(overrides)
+  return ml_collections.ConfigDict(section)
+
+
+def optim_section(**overrides) -> ml_collections.ConfigDict:
+  """rla_jax.train.make_optimizer: AdamW + schedule + clipping."""
+  section = dict(
+      learning_rate=1e-6,
+      schedule='constant',  # 'constant' | 'cosine' | 'linear' (B2: ours is real)
+      warmup_steps=0,
+      decay_steps=0,  # cosine/linear horizon in optimizer steps (0 = none)
+      min_lr_ratio=0.0,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      weight_decay=0.0,
+      max_grad_norm=1.0,  # on the true averaged gradient (B3 fixed)
+      reset_every_epoch=False,  # True = the authors' fresh Adam per RL step
+  )
+  section.update(overrides)
+  return ml_collections.ConfigDict(section)
+
+
+def train_section(**overrides) -> ml_collections.ConfigDict:
+  """rla_jax.train: loss, batching and update schedule of one model."""
+  section = dict(
+      updates_per_epoch=4,  # optimizer steps per RL epoch (update_per_step)
+      global_batch_size=0,  # sequences per optimizer step; 0 = split the
+                            # epoch's data into updates_per_epoch steps
+      micro_batch_size=8,  # sequences per micro-batch (gradient accumulation)
+      max_prompt_len=2048,
+      max_response_len=2048,  # longer responses are truncated
+      overlong_prompt='truncate',  # 'truncate' (keep the end) | 'drop'; the
+                                   # triple stays aligned either way (B1)
+      prompt_buckets=(256, 512, 1024, 2048),  # padded prompt lengths
+      response_buckets=(64, 256, 1024, 2048),  # padded response lengths
+      clip_eps=0.2,
+      kl_coef=0.01,  # k3 KL against the pre-update log-probs
+      log_ratio_clamp=10.0,
+      entropy_coef=0.0,
+      compute_entropy=True,  # report the policy entropy (~4% of a step)
+      aggregation='sequence',  # 'sequence' (paper) | 'token'
+      head_chunk=512,  # tokens per chunk of the output head (memory)
+      remat=False,
+      shuffle=True,  # seeded grain shuffle before splitting into steps
+                     # (the authors don't shuffle)
+      seed=0,
+  )
+  section.update(overrides)
+  return ml_collections.ConfigDict(section)
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 10086
+
+  # Device mesh ('data', 'fsdp', 'tensor'); one size may be -1 (the rest).
+  config.mesh = dict(data=1, fsdp=-1, tensor=1, rules=())
+
+  config.env = ml_collections.ConfigDict()  # set by each setting's config
+
+  config.policy = model_section()
+  config.reward_model = model_section()
+  config.env_model = model_section()  # frozen; critiques and rewrites
+
+  config.rollout = dict(
+      num_tasks=16,  # sampled task slots per epoch (+ all pending rewrites)
+      group_size=8,  # rollouts per task (G)
+      sampling=sampling_section(),
+  )
+  config.judge = dict(
+      num_samples=3,  # m RM judgments per policy step
+      sampling=sampling_section(max_new_tokens=4000, max_prompt_len=4096),
+  )
+  config.feedback = dict(
+      lam=1.0,  # R = O + lam * mean_j S_j; 0 = outcome-only GRPO
+      eps=1e-8,  # std below this -> advantage 0
+      singleton='zero',  # one rollout at a step index: 'zero' | 'raw' (B11)
+      parse_penalty=-2.0,  # RM reward for an unparseable score
+      policy_acc_low=0.125,  # policy data only from tasks in this band
+      policy_acc_high=0.875,
+      rm_acc_low=0.2,  # RM data only from tasks in this band
+      rm_acc_high=0.8,
+  )
+  config.curator = dict(
+      enabled=True,
+      alpha_low=0.2,  # acc <= alpha_low -> easier
+      alpha_high=0.8,  # acc >= alpha_high -> harder
+      rewrite_attempts=8,  # env-LLM proposals per rewrite
+      pending_max_tries=2,  # epochs a rewrite may go unmeasured
+      sampling=sampling_section(max_new_tokens=8192, max_prompt_len=8192),
+  )
+  config.optim = dict(policy=optim_section(), reward_model=optim_section())
+  config.train = dict(policy=train_section(),
+                      reward_model=train_section(
+                          max_response_len=4096,
+                          response_buckets=(64, 256, 1024, 4096)))
+  config.eval = dict(
+      every=5,  # epochs between evaluations (0 = never); also before/after
+      num_tasks=32,  # held-out tasks
+      group_size=1,
+      sampling=sampling_section(),
+  )
+  config.loop = dict(
+      num_epochs=200,
+      train_rm=True,  # False = frozen RM (Table 1 "Policy" row)
+      checkpoint_every=1,
+      keep_checkpoints=3,
+      env_threads=8,  # concurrent environment steps on the host
+  )
+  return config
+
+
+def apply_ablation(config: ml_collections.ConfigDict, row: str):
+  """Switches for the paper's Table 1 rows (and outcome-only GRPO)."""
+  if row not in ABLATIONS:
+    raise ValueError(f'unknown ablation {row!r}; choose from {ABLATIONS}')
+  if row in ('policy', 'outcome_only'):
+    config.loop.train_rm = False
+  if row in ('policy', 'policy_reward', 'outcome_only'):
+    config.curator.enabled = False
+  if row == 'outcome_only':
+    config.feedback.lam = 0.0
+  return config

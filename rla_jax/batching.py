@@ -1,0 +1,139 @@
+"""Training examples -> padded, bucketed batches of micro-batches (host side).
+
+Letters: M micro-batches per optimizer step, B sequences per micro-batch,
+P prompt slots, R response slots, T = P + R.
+
+A row is `[left-padded prompt | right-padded response]`, so every response
+starts at column P and the hidden state at P - 1 + r predicts response token r.
+Prompt and response lengths are rounded up to configured buckets and M to a
+power of two, which keeps the number of compiled programs small; padding
+micro-batches are skipped on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import flax.struct
+import numpy as np
+
+from rla_jax import structs
+
+DROP = 'drop'
+TRUNCATE = 'truncate'  # keep the last max_prompt_len prompt tokens
+
+
+@flax.struct.dataclass
+class Batch:
+  """One optimizer step's data (numpy on the host, jax.Array on the device)."""
+
+  tokens_MxBxT: np.ndarray  # int32
+  mask_MxBxT: np.ndarray  # bool: real (non-pad) tokens
+  response_mask_MxBxR: np.ndarray  # bool: response tokens that are trained
+  advantages_MxB: np.ndarray  # float32: one scalar per sequence
+  old_logp_MxBxR: np.ndarray  # float32: log pi_old, from the log-prob pass
+  ref_logp_MxBxR: np.ndarray  # float32: KL reference (pi_old by default)
+
+  @property
+  def response_len(self) -> int:
+    return self.response_mask_MxBxR.shape[-1]
+
+
+def select(examples: Sequence[structs.Example], *, max_prompt_len: int,
+           max_response_len: int,
+           overlong_prompt: str) -> tuple[list[structs.Example], int]:
+  """Fits examples to the length limits, keeping each triple together.
+
+  Over-long prompts are dropped or left-truncated (`overlong_prompt`), long
+  responses are cut to `max_response_len`, and examples with an empty prompt
+  or response are dropped. The advantage always travels with its own tokens
+  (the authors' code mispairs them after a drop, RLANYTHING.md bug B1).
+
+  Returns:
+    (kept examples, number dropped).
+  """
+  if overlong_prompt not in (DROP, TRUNCATE):
+    raise ValueError(f'overlong_prompt={overlong_prompt!r}; expected '
+                     f'{DROP!r} or {TRUNCATE!r}')
+  kept, dropped = [], 0
+  for i, example in enumerate(examples):
+    if not math.isfinite(example.advantage):
+      raise ValueError(f'example {i} has a non-finite advantage '
+                       f'{example.advantage}')
+    prompt = list(example.prompt_tokens)
+    response = list(example.response_tokens)[:max_response_len]
+    if len(prompt) > max_prompt_len:
+      if overlong_prompt == DROP:
+        dropped += 1
+        continue
+      prompt = prompt[len(prompt) - max_prompt_len:]
+    if not prompt or not response:
+      dropped += 1
+      continue
+    kept.append(structs.Example(prompt, response, float(example.advantage)))
+  return kept, dropped
+
+
+def step_size(num_examples: int, *, updates_per_epoch: int,
+              global_batch_size: int) -> int:
+  """Examples per optimizer step.
+
+  `global_batch_size` when > 0 (the last step takes the rest); otherwise the
+  data are split into `updates_per_epoch` near-equal steps, as the authors'
+  trainer does.
+  """
+  if global_batch_size > 0:
+    return global_batch_size
+  return max(1, math.ceil(num_examples / updates_per_epoch))
+
+
+def bucket(length: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket that holds `length`."""
+  fitting = [b for b in buckets if b >= length]
+  if not fitting:
+    raise ValueError(f'length {length} exceeds the largest bucket '
+                     f'{max(buckets)}')
+  return min(fitting)
+
+
+def num_micro_batches(num_examples: int, micro_batch_size: int) -> int:
+  """Micro-batches for one step, rounded up to a power of two."""
+  needed = max(1, math.ceil(num_examples / micro_batch_size))
+  return 1 << (needed - 1).bit_length()
+
+
+def pack(examples: Sequence[structs.Example], *, micro_batch_size: int,
+         prompt_buckets: Sequence[int],
+         response_buckets: Sequence[int]) -> Batch:
+  """Pads one step's examples into a Batch; examples keep their order.
+
+  Padding uses token id 0; it is masked out of attention and the loss.
+  """
+  if not examples:
+    raise ValueError('pack needs at least one example')
+  p = bucket(max(len(e.prompt_tokens) for e in examples), prompt_buckets)
+  r = bucket(max(len(e.response_tokens) for e in examples), response_buckets)
+  m = num_micro_batches(len(examples), micro_batch_size)
+  rows = m * micro_batch_size
+  tokens = np.zeros((rows, p + r), np.int32)
+  mask = np.zeros((rows, p + r), bool)
+  response_mask = np.zeros((rows, r), bool)
+  advantages = np.zeros((rows,), np.float32)
+  for row, example in enumerate(examples):
+    n_p, n_r = len(example.prompt_tokens), len(example.response_tokens)
+    tokens[row, p - n_p:p] = example.prompt_tokens
+    tokens[row, p:p + n_r] = example.response_tokens
+    mask[row, p - n_p:p + n_r] = True
+    response_mask[row, :n_r] = True
+    advantages[row] = example.advantage
+  shape = lambda x: x.reshape((m, micro_batch_size) + x.shape[1:])
+  zeros = np.zeros((m, micro_batch_size, r), np.float32)
+  return Batch(tokens_MxBxT=shape(tokens), mask_MxBxT=shape(mask),
+               response_mask_MxBxR=shape(response_mask),
+               advantages_MxB=shape(advantages), old_logp_MxBxR=zeros,
+               ref_logp_MxBxR=zeros)
+
+
+def count_tokens(batch: Batch) -> int:
+  return int(np.sum(np.asarray(batch.response_mask_MxBxR)))

@@ -1,0 +1,99 @@
+"""Chat messages -> prompt token ids -> sampled completions as text.
+
+The one place where text meets the sampler: policy turns, RM judgments,
+critiques and rewrite proposals all go through `complete`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from rla_jax import sampler
+
+
+@dataclasses.dataclass
+class Completion:
+  prompt: str  # rendered prompt text, including any answer prefix
+  prompt_tokens: list[int]  # exactly what the sampler saw (left-truncated)
+  text: str  # generated text (after the prefix)
+  tokens: list[int]
+  logprobs: list[float]
+  finish_reason: str
+
+
+def render(tokenizer, messages: Sequence[dict[str, str]]) -> str:
+  """Chat template text; a trailing assistant message becomes an answer prefix."""
+  messages = list(messages)
+  prefix = ''
+  if messages and messages[-1]['role'] == 'assistant':
+    prefix = messages.pop()['content']
+  if getattr(tokenizer, 'chat_template', None):
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=True)
+  else:
+    text = ''.join(f'{m["role"]}: {m["content"]}\n' for m in messages)
+    text += 'assistant: '
+  return text + prefix
+
+
+def encode(tokenizer, text: str, max_len: int) -> tuple[list[int], bool]:
+  """Token ids of `text`, keeping the last `max_len`; and whether it was cut."""
+  ids = tokenizer(text, add_special_tokens=False)['input_ids']
+  return ids[-max_len:], len(ids) > max_len
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+  ids = {tokenizer.eos_token_id}
+  for token in ('<|im_end|>', '<|endoftext|>', '<|eot_id|>'):
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+      ids.add(tid)
+  return tuple(sorted(i for i in ids if i is not None))
+
+
+def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
+             sampling, num_samples: int, seed: int, mesh=None,
+             rules=None) -> list[list[Completion]]:
+  """`num_samples` completions for each conversation (prompt-major lists).
+
+  `sampling` is a config section: temperature, top_p, top_k, max_new_tokens,
+  max_prompt_len, stop_strings, allowed_tokens (constrained decoding),
+  prompt_buckets, batch_buckets, max_rows (rows per sampler call; larger
+  batches are split).
+  """
+  prompts = [render(tokenizer, m) for m in messages_batch]
+  encoded = [encode(tokenizer, p, sampling.max_prompt_len) for p in prompts]
+  prompt_ids = [ids for ids, _ in encoded]
+  prompts = [tokenizer.decode(ids) if cut else p
+             for p, (ids, cut) in zip(prompts, encoded)]
+  allowed = [tokenizer.convert_tokens_to_ids(t) for t in sampling.allowed_tokens]
+  if any(a is None or a == tokenizer.unk_token_id for a in allowed):
+    raise ValueError(f'allowed_tokens={tuple(sampling.allowed_tokens)}: each '
+                     'must be one token of the tokenizer')
+  per_call = max(1, sampling.max_rows // num_samples)
+  kwargs = {} if rules is None else {'rules': rules}
+  results = []
+  for start in range(0, len(prompts), per_call):
+    chunk = prompt_ids[start:start + per_call]
+    out = sampler.generate(
+        model, chunk, sampling.max_new_tokens,
+        temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, stop_token_ids=stop_token_ids(tokenizer),
+        allowed_token_ids=tuple(allowed),
+        seed=(seed * 100_003 + start) % 2**32, num_samples=num_samples,
+        stop_strings=tuple(sampling.stop_strings), tokenizer=tokenizer,
+        prompt_buckets=tuple(sampling.prompt_buckets),
+        batch_buckets=tuple(sampling.batch_buckets), mesh=mesh, **kwargs)
+    for i, ids in enumerate(chunk):
+      row = []
+      for j in range(num_samples):
+        k = i * num_samples + j
+        tokens = list(out.tokens[k])
+        row.append(Completion(
+            prompt=prompts[start + i], prompt_tokens=list(ids),
+            text=tokenizer.decode(tokens, skip_special_tokens=True),
+            tokens=tokens, logprobs=list(out.logprobs[k]),
+            finish_reason=out.finish_reason[k]))
+      results.append(row)
+  return results

@@ -1,0 +1,374 @@
+"""The environment curator: task pool, rewrite triggers, critiques, acceptance.
+
+Host-side Python over `list[structs.Task]` (RLANYTHING.md 3.2, 3.7, 4.5, 5.8).
+Functions return new pools and never modify their inputs. No JAX here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+import copy
+import dataclasses
+import json
+import os
+from typing import Any, NamedTuple
+
+from absl import logging
+import numpy as np
+
+from rla_jax import boxed
+from rla_jax import structs
+from rla_jax.envs import base
+
+Group = tuple[str, str]
+Accuracy = Mapping[Group, float | None]
+
+ACTIVE = 'active'
+PENDING = 'pending'
+_BAND_TOL = 1e-9  # slack on inclusive thresholds, so that 0.8 equals 4/5
+
+CRITIQUE_TEMPLATE = """\
+An AI agent attempted the task below and failed. Review its attempt.
+
+Task:
+{task}
+
+Trajectory ({num_steps} steps):
+{trajectory}
+
+High-risk steps (every reward-model judgment scored them -1): {risky}
+
+In at most two sentences, explain why the agent failed and what it should \
+have done instead. Put the explanation inside \\boxed{{}}."""
+
+
+class BatchItem(NamedTuple):
+  """One task version to roll out this epoch."""
+
+  task_id: str
+  spec: dict[str, Any]
+  source: str  # ACTIVE or PENDING
+
+
+def build_pool(specs: Iterable[Mapping[str, Any]]) -> list[structs.Task]:
+  """One slot per source task: root = active = spec, version 0."""
+  pool = []
+  for spec in specs:
+    spec = copy.deepcopy(dict(spec))
+    pool.append(structs.Task(task_id=str(spec['id']), root=spec,
+                             active=copy.deepcopy(spec)))
+  ids = [t.task_id for t in pool]
+  if len(set(ids)) != len(ids):
+    raise ValueError('task ids are not unique')
+  return pool
+
+
+def sample_batch(pool: Sequence[structs.Task], num_tasks: int,
+                 order: Iterator[int]) -> list[BatchItem]:
+  """`num_tasks` distinct non-pending slots drawn from `order` + all pending.
+
+  `order` yields slot indices (the loop feeds an endless, seeded, per-pass
+  reshuffled grain stream whose position is checkpointed, so every slot is
+  visited once per pass and a resumed run draws the same batches). Pending
+  and repeated slots are skipped. Active items come first in drawn order,
+  then the pending rewrites in pool order. Fewer free slots than `num_tasks`
+  -> all of them.
+  """
+  free = {i for i, t in enumerate(pool) if t.pending is None}
+  want = min(num_tasks, len(free))
+  chosen: list[int] = []
+  while len(chosen) < want:
+    i = int(next(order))
+    if i in free and i not in chosen:
+      chosen.append(i)
+  batch = [BatchItem(pool[i].task_id, copy.deepcopy(pool[i].active), ACTIVE)
+           for i in chosen]
+  batch += [BatchItem(t.task_id, copy.deepcopy(t.pending.spec), PENDING)
+            for t in pool if t.pending is not None]
+  return batch
+
+
+def triggers(pool: Sequence[structs.Task], accuracy: Accuracy,
+             alpha_low: float, alpha_high: float) -> dict[str, str]:
+  """task_id -> HARDER if acc >= alpha_high, EASIER if acc <= alpha_low.
+
+  Only slots without a pending rewrite and with a measured active group.
+  """
+  fired = {}
+  for task in pool:
+    acc = accuracy.get((task.task_id, ACTIVE))
+    if task.pending is not None or acc is None:
+      continue
+    if acc >= alpha_high - _BAND_TOL:
+      fired[task.task_id] = structs.HARDER
+    elif acc <= alpha_low + _BAND_TOL:
+      fired[task.task_id] = structs.EASIER
+  return fired
+
+
+def accept(direction: str, acc_old: float, acc_new: float, alpha_low: float,
+           alpha_high: float) -> bool:
+  """Acceptance of a measured rewrite (inclusive band edges, as the authors).
+
+  HARDER: acc_new > 0 and alpha_low <= acc_new < acc_old.
+  EASIER: acc_new > 0 and acc_old < acc_new <= alpha_high.
+  """
+  if acc_new <= 0:
+    return False
+  if direction == structs.HARDER:
+    return alpha_low - _BAND_TOL <= acc_new < acc_old
+  if direction == structs.EASIER:
+    return acc_old < acc_new <= alpha_high + _BAND_TOL
+  raise ValueError(f'unknown direction {direction!r}')
+
+
+def judge_pending(
+    pool: Sequence[structs.Task], accuracy: Accuracy, epoch: int, config
+) -> tuple[list[structs.Task], list[dict[str, Any]], dict[str, float]]:
+  """Accepts or rejects last epoch's rewrites from their measured accuracy.
+
+  acc_new is the accuracy of the group (task_id, 'pending'). Accepted ->
+  active = rewrite, version + 1; rejected -> dropped. A rewrite that has no
+  accuracy (all its rollouts errored, or it was not rolled out) stays pending
+  and is dropped after `config.pending_max_tries` such epochs. Every decision
+  appends a lineage event to the slot's history.
+
+  Returns (pool, events, stats); events carry 'task_id' and 'reason' in
+  {'accepted', 'rejected', 'unmeasured'}.
+  """
+  new_pool, events = [], []
+  undecided = 0
+  for task in pool:
+    pending = task.pending
+    if pending is None:
+      new_pool.append(task)
+      continue
+    acc_new = accuracy.get((task.task_id, PENDING))
+    if acc_new is None:
+      tries = pending.unmeasured + 1
+      if tries < config.pending_max_tries:
+        undecided += 1
+        pending = dataclasses.replace(pending, unmeasured=tries)
+        new_pool.append(dataclasses.replace(task, pending=pending))
+        continue
+      accepted, reason = False, 'unmeasured'
+    else:
+      accepted = accept(pending.direction, pending.acc_old, acc_new,
+                        config.alpha_low, config.alpha_high)
+      reason = 'accepted' if accepted else 'rejected'
+    version = task.version + 1 if accepted else task.version
+    event = {
+        'task_id': task.task_id, 'epoch': epoch, 'created_epoch': pending.epoch,
+        'direction': pending.direction, 'acc_old': pending.acc_old,
+        'acc_new': acc_new, 'accepted': accepted, 'reason': reason,
+        'version': version, 'spec': copy.deepcopy(pending.spec),
+        'critiques': list(pending.critiques),
+    }
+    events.append(event)
+    new_pool.append(dataclasses.replace(
+        task, active=copy.deepcopy(pending.spec) if accepted else task.active,
+        version=version, history=[*task.history, event], pending=None))
+  stats = {
+      'curator/accepted': sum(e['reason'] == 'accepted' for e in events),
+      'curator/rejected': sum(e['reason'] == 'rejected' for e in events),
+      'curator/dropped_unmeasured': sum(
+          e['reason'] == 'unmeasured' for e in events),
+      'curator/undecided': undecided,
+  }
+  return new_pool, events, stats
+
+
+def rejected_groups(events: Iterable[Mapping[str, Any]]) -> set[Group]:
+  """Groups of rewrites that were measured and rejected (not to be trained)."""
+  return {(e['task_id'], PENDING) for e in events if e['reason'] == 'rejected'}
+
+
+def high_risk_steps(traj: structs.Trajectory,
+                    judgments: Iterable[structs.Judgment]) -> list[int]:
+  """Indices of the steps of `traj` whose judgments all scored -1."""
+  scores = {}
+  for j in judgments:
+    if (j.task_id, j.source, j.rollout) == (traj.task_id, traj.source,
+                                             traj.rollout):
+      scores.setdefault(j.step, []).append(j.score if j.parsed else 0)
+  return sorted(k for k, s in scores.items() if s and all(x == -1 for x in s))
+
+
+def critique_prompt(description: str, traj: structs.Trajectory,
+                    risky: Sequence[int]) -> str:
+  """Prompt asking the environment LLM why a rollout failed (steps 1-based)."""
+  lines = []
+  for i, step in enumerate(traj.steps, start=1):
+    lines.append(f'Step {i}\n  action: {step.action}\n'
+                 f'  observation: {step.observation}')
+  return CRITIQUE_TEMPLATE.format(
+      task=description, num_steps=len(traj.steps),
+      trajectory='\n'.join(lines) or '(no steps)',
+      risky=', '.join(str(k + 1) for k in risky) or 'none')
+
+
+def parse_critique(text: str) -> str:
+  """Content of the last brace-balanced \\boxed{} in `text`, '' if none."""
+  return (boxed.last_boxed(text) or '').strip()
+
+
+def critiques(
+    pool: Sequence[structs.Task], fired: Mapping[str, str], env,
+    trajectories: Sequence[structs.Trajectory],
+    judgments: Sequence[structs.Judgment], generate: base.GenerateFn
+) -> tuple[dict[str, list[str]], dict[str, float]]:
+  """Critiques of the failed active rollouts of fired tasks, one LLM call.
+
+  Returns task_id -> non-empty critiques (rollout order) and stats.
+  """
+  by_id = {t.task_id: t for t in pool}
+  failed = [t for t in trajectories
+            if t.source == ACTIVE and t.task_id in fired
+            and t.status != structs.ERROR and t.outcome < 0]
+  judged = [j for j in judgments if j.source == ACTIVE and j.task_id in fired]
+  prompts = [critique_prompt(env.describe(by_id[t.task_id].active), t,
+                             high_risk_steps(t, judged)) for t in failed]
+  stats = {'curator/critiques': 0, 'curator/critique_parse_fail': 0,
+           'curator/critique_errors': 0}
+  out = {task_id: [] for task_id in fired}
+  if not prompts:
+    return out, stats
+  try:
+    texts = list(generate(prompts))
+    if len(texts) != len(prompts):
+      raise ValueError(f'{len(texts)} completions for {len(prompts)} prompts')
+  except Exception:  # pylint: disable=broad-exception-caught
+    logging.exception('critique generation failed; rewriting without them')
+    stats['curator/critique_errors'] = len(prompts)
+    return out, stats
+  for traj, text in zip(failed, texts):
+    critique = parse_critique(text)
+    if critique:
+      out[traj.task_id].append(critique)
+      stats['curator/critiques'] += 1
+    else:
+      stats['curator/critique_parse_fail'] += 1
+  return out, stats
+
+
+def request_rewrites(
+    pool: Sequence[structs.Task], env,
+    trajectories: Sequence[structs.Trajectory],
+    judgments: Sequence[structs.Judgment], accuracy: Accuracy,
+    generate: base.GenerateFn, epoch: int, config
+) -> tuple[list[structs.Task], dict[str, float]]:
+  """Asks the environment to rewrite fired tasks; successes become pending.
+
+  Any exception from `env.rewrite` (RewriteRejected or other) is counted and
+  logged and leaves the slot without a pending rewrite, as does a rewrite
+  equal to the active spec.
+  """
+  fired = triggers(pool, accuracy, config.alpha_low, config.alpha_high)
+  notes, stats = critiques(pool, fired, env, trajectories, judgments, generate)
+  stats.update({
+      'curator/triggered_harder': sum(
+          d == structs.HARDER for d in fired.values()),
+      'curator/triggered_easier': sum(
+          d == structs.EASIER for d in fired.values()),
+      'curator/requested': 0, 'curator/created': 0,
+      'curator/rewrite_rejected': 0, 'curator/rewrite_errors': 0,
+      'curator/rewrite_unchanged': 0,
+  })
+  new_pool = []
+  for task in pool:
+    direction = fired.get(task.task_id)
+    if direction is None:
+      new_pool.append(task)
+      continue
+    stats['curator/requested'] += 1
+    spec = _rewrite(env, task, direction, notes[task.task_id], generate,
+                    config.rewrite_attempts, stats)
+    if spec is None:
+      new_pool.append(task)
+      continue
+    stats['curator/created'] += 1
+    pending = structs.Rewrite(
+        spec=spec, direction=direction,
+        acc_old=float(accuracy[(task.task_id, ACTIVE)]), epoch=epoch,
+        critiques=list(notes[task.task_id]))
+    new_pool.append(dataclasses.replace(task, pending=pending))
+  stats['curator/rewrite_failures'] = (stats['curator/rewrite_rejected'] +
+                                       stats['curator/rewrite_errors'])
+  return new_pool, stats
+
+
+def _rewrite(env, task, direction, notes, generate, attempts, stats):
+  """env.rewrite with every failure counted; the new spec or None."""
+  try:
+    spec = env.rewrite(copy.deepcopy(task.active), direction, list(notes),
+                       generate, attempts=attempts)
+  except base.RewriteRejected as e:
+    logging.info('rewrite of %s (%s) rejected: %s', task.task_id, direction, e)
+    stats['curator/rewrite_rejected'] += 1
+    return None
+  except Exception:  # pylint: disable=broad-exception-caught
+    logging.exception('rewrite hook failed for %s (%s)', task.task_id,
+                      direction)
+    stats['curator/rewrite_errors'] += 1
+    return None
+  if not isinstance(spec, dict):
+    logging.error('rewrite of %s returned %s, not a dict', task.task_id,
+                  type(spec).__name__)
+    stats['curator/rewrite_errors'] += 1
+    return None
+  if spec == task.active:
+    stats['curator/rewrite_unchanged'] += 1
+    return None
+  return copy.deepcopy(spec)
+
+
+def metrics(pool: Sequence[structs.Task], env) -> dict[str, float]:
+  """Pool-level metrics: size, pending, versions, active difficulty."""
+  return {
+      'curator/pool_size': len(pool),
+      'curator/pending': sum(t.pending is not None for t in pool),
+      'curator/mean_version': _mean(t.version for t in pool),
+      'curator/accepted_total': sum(
+          e['accepted'] for t in pool for e in t.history),
+      'curator/pool_difficulty': _mean(env.difficulty(t.active) for t in pool),
+  }
+
+
+def task_to_dict(task: structs.Task) -> dict[str, Any]:
+  return dataclasses.asdict(task)
+
+
+def task_from_dict(data: Mapping[str, Any]) -> structs.Task:
+  data = copy.deepcopy(dict(data))
+  if data['pending'] is not None:
+    data['pending'] = structs.Rewrite(**data['pending'])
+  return structs.Task(**data)
+
+
+def save_jsonl(pool: Sequence[structs.Task], path: str) -> None:
+  """One Task per line (pending rewrite included); atomic (write + rename)."""
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    for task in pool:
+      f.write(json.dumps(task_to_dict(task), ensure_ascii=False) + '\n')
+  os.replace(tmp, path)
+
+
+def load_jsonl(path: str) -> list[structs.Task]:
+  with open(path, encoding='utf-8') as f:
+    return [task_from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def state(pool: Sequence[structs.Task]) -> list[dict[str, Any]]:
+  """JSON-able checkpoint of the pool."""
+  return [task_to_dict(t) for t in pool]
+
+
+def from_state(data: Sequence[Mapping[str, Any]]) -> list[structs.Task]:
+  """Inverse of `state`."""
+  return [task_from_dict(t) for t in data]
+
+
+def _mean(values: Iterable[float]) -> float:
+  values = [float(v) for v in values]
+  return float(np.mean(values)) if values else float('nan')

@@ -1,0 +1,329 @@
+"""Integrated feedback for the policy, consistency reward for the reward model.
+
+Host-side numpy on the structs of one epoch (RLANYTHING.md 1, 3.5, 3.6). A
+group is the set of rollouts of one task version, `(task_id, source)`; a step
+key is `(task_id, source, rollout, step)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+import dataclasses
+
+import numpy as np
+
+from rla_jax import structs
+
+Group = tuple[str, str]
+StepKey = tuple[str, str, int, int]
+
+SINGLETON_MODES = ('raw', 'zero')
+# Slack on inclusive band edges, so that 0.8 from a config equals 4/5.
+_BAND_TOL = 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAccuracy:
+  """Accuracy of one group; error rollouts are excluded from it and counted."""
+
+  accuracy: float | None  # num_success / num_ok; None when num_ok == 0
+  num_success: int
+  num_ok: int
+  num_error: int
+
+
+def task_accuracy(
+    trajectories: Iterable[structs.Trajectory]) -> dict[Group, GroupAccuracy]:
+  """acc(group) = #{O = +1} / #{status OK}, over the non-error rollouts."""
+  counts = {}
+  for traj in trajectories:
+    success, ok, error = counts.get(traj.group, (0, 0, 0))
+    if traj.status == structs.ERROR:
+      error += 1
+    else:
+      ok += 1
+      success += int(traj.outcome > 0)
+    counts[traj.group] = (success, ok, error)
+  return {
+      group: GroupAccuracy(success / ok if ok else None, success, ok, error)
+      for group, (success, ok, error) in counts.items()
+  }
+
+
+def in_band(acc: float | None, low: float, high: float) -> bool:
+  """low <= acc <= high (inclusive, as the authors); False for None."""
+  return acc is not None and low - _BAND_TOL <= acc <= high + _BAND_TOL
+
+
+def judgments_by_step(
+    judgments: Iterable[structs.Judgment],
+) -> dict[StepKey, list[structs.Judgment]]:
+  """Judgments grouped by the policy step they score, ordered by sample."""
+  index = {}
+  for judgment in judgments:
+    key = (judgment.task_id, judgment.source, judgment.rollout, judgment.step)
+    index.setdefault(key, []).append(judgment)
+  for samples in index.values():
+    samples.sort(key=lambda j: j.sample)
+  return index
+
+
+def score(judgment: structs.Judgment) -> int:
+  """S of one judgment; an unparseable answer counts as 0."""
+  return judgment.score if judgment.parsed else 0
+
+
+def step_score(samples: Sequence[structs.Judgment]) -> float:
+  """mean_j S_j over the m judgments of a step (0 when there are none)."""
+  return float(np.mean([score(j) for j in samples])) if samples else 0.0
+
+
+def step_rewards(trajectories: Iterable[structs.Trajectory],
+                 by_step: Mapping[StepKey, Sequence[structs.Judgment]],
+                 lam: float) -> dict[StepKey, float]:
+  """Integrated feedback R = O + lam * mean_j S_j for every non-error step."""
+  rewards = {}
+  for traj in _ok(trajectories):
+    for k in range(len(traj.steps)):
+      key = (traj.task_id, traj.source, traj.rollout, k)
+      rewards[key] = traj.outcome + lam * step_score(by_step.get(key, ()))
+  return rewards
+
+
+def zscore(values: Sequence[float], eps: float) -> np.ndarray:
+  """(x - mean) / std with the population std; all zeros when std <= eps."""
+  x = np.asarray(values, dtype=np.float64)
+  std = x.std()
+  if std <= eps:
+    return np.zeros_like(x)
+  return (x - x.mean()) / std
+
+
+def policy_examples(
+    trajectories: Sequence[structs.Trajectory],
+    rewards: Mapping[StepKey, float],
+    accuracy: Mapping[Group, GroupAccuracy],
+    *,
+    acc_low: float,
+    acc_high: float,
+    singleton: str,
+    eps: float,
+    exclude: Collection[Group],
+) -> tuple[list[structs.Example], dict[str, float]]:
+  """Per-step policy examples with A = z-score of R per (group, step index).
+
+  For group g and step index k, the R of the rollouts that reach step k are
+  standardised: A = (R - mean) / std (population std; std <= eps -> A = 0).
+  When a single rollout reaches step k, `singleton` decides: 'raw' keeps
+  A = R (the authors, bug B11), 'zero' sets A = 0. Examples with |A| <= eps
+  are dropped. Groups are used only when not in `exclude` and
+  acc_low <= acc <= acc_high.
+  """
+  if singleton not in SINGLETON_MODES:
+    raise ValueError(f'singleton must be one of {SINGLETON_MODES}: {singleton}')
+  stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
+                         'singleton_steps', 'dropped_zero'), 0)
+  examples = []
+  for group, trajs in _by_group(_ok(trajectories)).items():
+    if group in exclude:
+      stats['groups_excluded'] += 1
+      continue
+    if not in_band(accuracy[group].accuracy, acc_low, acc_high):
+      stats['groups_filtered'] += 1
+      continue
+    stats['groups_used'] += 1
+    for k in range(max(len(t.steps) for t in trajs)):
+      reach = [t for t in trajs if len(t.steps) > k]
+      values = [rewards[(t.task_id, t.source, t.rollout, k)] for t in reach]
+      if len(reach) == 1:
+        stats['singleton_steps'] += 1
+        advantages = values if singleton == 'raw' else [0.0]
+      else:
+        advantages = zscore(values, eps)
+      for traj, advantage in zip(reach, advantages):
+        if abs(advantage) <= eps:
+          stats['dropped_zero'] += 1
+          continue
+        step = traj.steps[k]
+        examples.append(structs.Example(list(step.prompt_tokens),
+                                        list(step.response_tokens),
+                                        float(advantage)))
+  stats['examples'] = len(examples)
+  return examples, stats
+
+
+def rm_examples(
+    trajectories: Sequence[structs.Trajectory],
+    by_step: Mapping[StepKey, Sequence[structs.Judgment]],
+    rewards: Mapping[StepKey, float],
+    accuracy: Mapping[Group, GroupAccuracy],
+    *,
+    acc_low: float,
+    acc_high: float,
+    penalty: float,
+    eps: float,
+    exclude: Collection[Group],
+) -> tuple[list[structs.Example], dict[str, float]]:
+  """Reward-model examples from the consistency reward.
+
+  For judgment j of step (rollout, k): raw_j = R * S_j, or raw_j = `penalty`
+  when the answer was unparseable. A_j = z-score of raw over the m judgments
+  of that step; the step is skipped when std <= eps; examples with
+  |A| <= eps are dropped. Groups are used only when not in `exclude` and
+  acc_low <= acc <= acc_high (Theorem 2: both outcomes must be present).
+  """
+  stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
+                         'steps_zero_var', 'penalties', 'dropped_zero'), 0)
+  examples = []
+  for group, trajs in _by_group(_ok(trajectories)).items():
+    if group in exclude:
+      stats['groups_excluded'] += 1
+      continue
+    if not in_band(accuracy[group].accuracy, acc_low, acc_high):
+      stats['groups_filtered'] += 1
+      continue
+    stats['groups_used'] += 1
+    for traj in trajs:
+      for k in range(len(traj.steps)):
+        key = (traj.task_id, traj.source, traj.rollout, k)
+        samples = by_step.get(key, ())
+        if not samples:
+          continue
+        raw = [rewards[key] * j.score if j.parsed else penalty for j in samples]
+        stats['penalties'] += sum(not j.parsed for j in samples)
+        if np.std(raw) <= eps:
+          stats['steps_zero_var'] += 1
+          continue
+        for judgment, advantage in zip(samples, zscore(raw, eps)):
+          if abs(advantage) <= eps:
+            stats['dropped_zero'] += 1
+            continue
+          examples.append(structs.Example(list(judgment.prompt_tokens),
+                                          list(judgment.response_tokens),
+                                          float(advantage)))
+  stats['examples'] = len(examples)
+  return examples, stats
+
+
+def integrate(
+    trajectories: Sequence[structs.Trajectory],
+    judgments: Sequence[structs.Judgment],
+    config,
+    exclude: Collection[Group] = (),
+) -> tuple[list[structs.Example], list[structs.Example], dict[str, float]]:
+  """Policy and RM training examples of one epoch, plus `feedback/*` stats.
+
+  `config` is the `feedback` section: lam, eps, singleton, parse_penalty,
+  policy_acc_low, policy_acc_high, rm_acc_low, rm_acc_high. `exclude` holds
+  the groups not to train on (rejected pending rewrites).
+  """
+  trajectories = list(trajectories)
+  _check_unique(trajectories)
+  accuracy = task_accuracy(trajectories)
+  by_step = judgments_by_step(judgments)
+  rewards = step_rewards(trajectories, by_step, config.lam)
+  exclude = set(exclude)
+  policy, policy_stats = policy_examples(
+      trajectories, rewards, accuracy, acc_low=config.policy_acc_low,
+      acc_high=config.policy_acc_high, singleton=config.singleton,
+      eps=config.eps, exclude=exclude)
+  rm, rm_stats = rm_examples(
+      trajectories, by_step, rewards, accuracy, acc_low=config.rm_acc_low,
+      acc_high=config.rm_acc_high, penalty=config.parse_penalty,
+      eps=config.eps, exclude=exclude)
+  judgments = list(judgments)
+  stats = {
+      'feedback/trajectories': len(trajectories),
+      'feedback/error_trajectories': sum(
+          t.status == structs.ERROR for t in trajectories),
+      'feedback/groups_all_error': sum(
+          a.accuracy is None for a in accuracy.values()),
+      'feedback/steps': len(rewards),
+      'feedback/steps_unjudged': sum(k not in by_step for k in rewards),
+      'feedback/judgments': len(judgments),
+      'feedback/parse_failures': sum(not j.parsed for j in judgments),
+      'feedback/reward_mean': _mean(rewards.values()),
+      'feedback/policy_advantage_abs_mean': _mean(
+          abs(e.advantage) for e in policy),
+      'feedback/rm_advantage_abs_mean': _mean(abs(e.advantage) for e in rm),
+  }
+  stats.update({f'feedback/policy_{k}': v for k, v in policy_stats.items()})
+  stats.update({f'feedback/rm_{k}': v for k, v in rm_stats.items()})
+  return policy, rm, stats
+
+
+def rm_metrics(
+    trajectories: Sequence[structs.Trajectory],
+    judgments: Sequence[structs.Judgment],
+    step_labels: Mapping[StepKey, int] | None = None,
+) -> dict[str, float]:
+  """Reward-model quality metrics (RLANYTHING.md 1, 7); NaN when undefined.
+
+  Non-error rollouts only; a step's verdict is sign(mean_j S_j), 0 = wrong.
+    rm/outcome_acc: fraction of rollouts with a judged step where
+      sign(mean over judged steps of mean_j S_j) == O (paper: Outcome Acc).
+    rm/process_acc: fraction of judged steps whose verdict equals its label.
+      With `step_labels` (e.g. a stronger judge's majority vote, the paper's
+      Process Acc) only labelled steps count; without, the label is the
+      rollout's outcome O, a proxy that measures agreement with the outcome.
+    rm/p_plus: P(S_j = +1 | step of a successful rollout), per sample.
+    rm/p_minus: P(S_j = -1 | step of a failed rollout), per sample.
+    rm/mu: p_plus + p_minus; more samples m help iff mu > 1 (Theorem 1).
+    judge/parse_fail_rate: unparseable answers / all judgments.
+  """
+  by_step = judgments_by_step(judgments)
+  outcome_hits, process_hits = [], []
+  plus, minus = [], []
+  for traj in _ok(trajectories):
+    step_means = []
+    for k in range(len(traj.steps)):
+      key = (traj.task_id, traj.source, traj.rollout, k)
+      samples = by_step.get(key, ())
+      if not samples:
+        continue
+      mean = step_score(samples)
+      step_means.append(mean)
+      if step_labels is None:
+        process_hits.append(np.sign(mean) == np.sign(traj.outcome))
+      elif key in step_labels:
+        process_hits.append(np.sign(mean) == np.sign(step_labels[key]))
+      if traj.outcome > 0:
+        plus.extend(score(j) == 1 for j in samples)
+      else:
+        minus.extend(score(j) == -1 for j in samples)
+    if step_means:
+      outcome_hits.append(np.sign(np.mean(step_means)) == np.sign(traj.outcome))
+  judgments = list(judgments)
+  p_plus, p_minus = _mean(plus), _mean(minus)
+  return {
+      'rm/outcome_acc': _mean(outcome_hits),
+      'rm/outcome_count': len(outcome_hits),
+      'rm/process_acc': _mean(process_hits),
+      'rm/process_count': len(process_hits),
+      'rm/p_plus': p_plus,
+      'rm/p_minus': p_minus,
+      'rm/mu': p_plus + p_minus,
+      'judge/parse_fail_rate': _mean(not j.parsed for j in judgments),
+  }
+
+
+def _ok(trajectories: Iterable[structs.Trajectory]):
+  return (t for t in trajectories if t.status != structs.ERROR)
+
+
+def _by_group(trajectories: Iterable[structs.Trajectory]):
+  groups = {}
+  for traj in trajectories:
+    groups.setdefault(traj.group, []).append(traj)
+  return groups
+
+
+def _check_unique(trajectories: Sequence[structs.Trajectory]) -> None:
+  keys = [(t.task_id, t.source, t.rollout) for t in trajectories]
+  if len(set(keys)) != len(keys):
+    raise ValueError('two trajectories share (task_id, source, rollout)')
+
+
+def _mean(values: Iterable[float]) -> float:
+  values = [float(v) for v in values]
+  return float(np.mean(values)) if values else float('nan')

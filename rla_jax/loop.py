@@ -1,0 +1,382 @@
+"""One RLAnything run; `_epoch` is the only code that orders the stages.
+
+epoch: policy rollouts -> RM judgments -> critiques and rewrites ->
+acceptance of last epoch's rewrites -> feedback -> policy update -> RM update
+-> (periodic) evaluation on held-out tasks -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+from concurrent import futures
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from flax import nnx
+
+from rla_jax import chat
+from rla_jax import checkpoint
+from rla_jax import curator
+from rla_jax import feedback
+from rla_jax import judge
+from rla_jax import metrics
+from rla_jax import rollout
+from rla_jax import sharding
+from rla_jax import structs
+from rla_jax import train
+from rla_jax.models import loading
+
+SUMMARY_KEYS = ('rollout/accuracy', 'judge/parse_fail_rate', 'policy/loss',
+                'policy/kl', 'rm/loss', 'curator/accepted', 'curator/rejected',
+                'curator/pending', 'eval/accuracy', 'time/epoch_s')
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything one run holds between epochs (host side)."""
+
+  config: Any
+  workdir: str
+  mesh: Any
+  rules: tuple
+  env: Any
+  tokenizers: dict[str, Any]
+  graphdefs: dict[str, Any]
+  trainers: dict[str, train.Trainer]
+  states: dict[str, train.TrainState]
+  env_params: Any  # frozen environment-LLM parameters
+  pool: list[structs.Task]
+  order: Any  # grain iterator over slot indices (checkpointed position)
+  writer: metrics.Writer
+  executor: futures.ThreadPoolExecutor
+  chief: bool
+
+
+def _seed(config, epoch: int, stage: int) -> int:
+  return int(np.random.SeedSequence([config.seed, epoch, stage])
+             .generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def _model(run: Run, name: str):
+  """The NNX model viewing the run's current arrays (no copy)."""
+  params = run.env_params if name == 'env_model' else run.states[name].params
+  return nnx.merge(run.graphdefs[name], params)
+
+
+def _sample_fn(run: Run, name: str, sampling):
+  """messages batch, seed -> one completion each, from model `name`."""
+
+  def sample(messages, seed):
+    rows = chat.complete(_model(run, name), run.tokenizers[name], messages,
+                         sampling=sampling, num_samples=1, seed=seed,
+                         mesh=run.mesh, rules=run.rules)
+    return [row[0] for row in rows]
+
+  return sample
+
+
+def _generate_fn(run: Run, seed: int):
+  """The environment LLM as text -> text (critiques, rewrite proposals)."""
+  sample = _sample_fn(run, 'env_model', run.config.curator.sampling)
+  return lambda prompts: [c.text for c in sample(
+      [[{'role': 'user', 'content': p}] for p in prompts], seed)]
+
+
+class _Timer:
+
+  def __init__(self, values: dict[str, float], epoch: int, chief: bool):
+    self.values, self.epoch, self.chief = values, epoch, chief
+
+  @contextlib.contextmanager
+  def __call__(self, stage: str):
+    if self.chief:
+      print(f'epoch {self.epoch}: {stage}', flush=True)
+    start = time.perf_counter()
+    yield
+    self.values[f'time/{stage}_s'] = time.perf_counter() - start
+
+
+def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
+  ok = [t for t in trajs if t.status == structs.OK]
+  steps = [s for t in ok for s in t.steps]
+  measured = [a.accuracy for a in accuracy.values() if a.accuracy is not None]
+  return {
+      'rollout/accuracy': float(np.mean([t.outcome > 0 for t in ok]))
+                          if ok else float('nan'),
+      'rollout/task_accuracy_mean': float(np.mean(measured))
+                                    if measured else float('nan'),
+      'rollout/trajectories': len(trajs),
+      'rollout/errors': sum(t.status == structs.ERROR for t in trajs),
+      'rollout/turns_mean': float(np.mean([len(t.steps) for t in ok]))
+                            if ok else 0.0,
+      'rollout/response_tokens_mean': float(np.mean(
+          [len(s.response_tokens) for s in steps])) if steps else 0.0,
+      'rollout/truncated_frac': float(np.mean(
+          [s.finish_reason == 'length' for s in steps])) if steps else 0.0,
+  }
+
+
+def _needs_judge(config) -> bool:
+  return (config.feedback.lam != 0 or config.loop.train_rm
+          or config.curator.enabled)
+
+
+def _epoch(run: Run, epoch: int) -> dict[str, float]:
+  config = run.config
+  values: dict[str, float] = {}
+  timer = _Timer(values, epoch, run.chief)
+  start = time.perf_counter()
+
+  with timer('rollout'):
+    batch = curator.sample_batch(run.pool, config.rollout.num_tasks, run.order)
+    trajs = rollout.run(
+        run.env, batch, group_size=config.rollout.group_size,
+        policy=_sample_fn(run, 'policy', config.rollout.sampling),
+        pool=run.executor, seed=_seed(config, epoch, 1),
+        max_turns=run.env.max_turns)
+  accuracy = feedback.task_accuracy(trajs)
+  acc = {g: a.accuracy for g, a in accuracy.items()}
+  values.update(_rollout_metrics(trajs, accuracy))
+  values['rollout/tokens_per_s'] = sum(
+      len(s.response_tokens) for t in trajs for s in t.steps) / max(
+          values['time/rollout_s'], 1e-9)
+
+  judgments = []
+  if _needs_judge(config):
+    with timer('judge'):
+      judgments = judge.score(
+          _model(run, 'reward_model'), run.tokenizers['reward_model'],
+          run.env, trajs, num_samples=config.judge.num_samples,
+          sampling=config.judge.sampling, seed=_seed(config, epoch, 2),
+          mesh=run.mesh, rules=run.rules)
+    values.update(feedback.rm_metrics(trajs, judgments))
+
+  exclude = set()
+  if config.curator.enabled:
+    with timer('curator'):
+      run.pool, stats = curator.request_rewrites(
+          run.pool, run.env, trajs, judgments, acc,
+          _generate_fn(run, _seed(config, epoch, 3)), epoch, config.curator)
+      values.update(stats)
+      run.pool, events, stats = curator.judge_pending(run.pool, acc, epoch,
+                                                      config.curator)
+      values.update(stats)
+      exclude = curator.rejected_groups(events)
+      for event in events:
+        run.writer.text(epoch, 'curator/decisions', json.dumps(event))
+  values.update(curator.metrics(run.pool, run.env))
+
+  with timer('feedback'):
+    policy_examples, rm_examples, stats = feedback.integrate(
+        trajs, judgments, config.feedback, exclude)
+    values.update(stats)
+
+  with timer('policy_update'):
+    run.states['policy'], stats = train.update(
+        run.trainers['policy'], run.states['policy'], policy_examples,
+        epoch=epoch)
+    values.update({f'policy/{k}': v for k, v in stats.items()})
+  if config.loop.train_rm:
+    with timer('rm_update'):
+      run.states['reward_model'], stats = train.update(
+          run.trainers['reward_model'], run.states['reward_model'],
+          rm_examples, epoch=epoch)
+      values.update({f'rm/{k}': v for k, v in stats.items()})
+
+  if run.chief:
+    _log_samples(run, epoch, trajs, judgments, accuracy)
+  values['time/epoch_s'] = time.perf_counter() - start
+  return values
+
+
+def _log_samples(run: Run, epoch: int, trajs, judgments, accuracy):
+  writer = run.writer
+  writer.histogram(epoch, 'rollout/task_accuracy',
+                   [a.accuracy for a in accuracy.values()
+                    if a.accuracy is not None])
+  ok = [t for t in trajs if t.status == structs.OK and t.steps]
+  for t in ok[:2]:
+    text = '\n'.join(f'[{k}] {s.response!r} -> {s.observation!r}'
+                     for k, s in enumerate(t.steps))
+    writer.text(epoch, 'rollout/sample',
+                f'{t.task_id} ({t.source}) O={t.outcome:+.0f}\n{text}')
+  for j in judgments[:2]:
+    writer.text(epoch, 'judge/sample', f'S={j.score}\n{j.response}')
+  for t in trajs:
+    if t.status == structs.ERROR:
+      writer.text(epoch, 'rollout/error', f'{t.task_id}: {t.error}')
+      break
+
+
+def _evaluate(run: Run, epoch: int) -> dict[str, float]:
+  config = run.config
+  specs = run.env.tasks('eval')[:config.eval.num_tasks]
+  if not specs:
+    return {}
+  start = time.perf_counter()
+  trajs = rollout.run(
+      run.env, [(s['id'], s, curator.ACTIVE) for s in specs],
+      group_size=config.eval.group_size,
+      policy=_sample_fn(run, 'policy', config.eval.sampling),
+      pool=run.executor, seed=_seed(config, epoch, 9),
+      max_turns=run.env.max_turns)
+  ok = [t for t in trajs if t.status == structs.OK]
+  return {'eval/accuracy': float(np.mean([t.outcome > 0 for t in ok]))
+                           if ok else float('nan'),
+          'eval/errors': len(trajs) - len(ok),
+          'time/eval_s': time.perf_counter() - start}
+
+
+def validate(config) -> None:
+  """Rejects inconsistent values with the config key that is wrong."""
+
+  def check(ok: bool, key: str, why: str):
+    if not ok:
+      raise ValueError(f'config.{key}={_lookup(config, key)!r}: {why}')
+
+  check(config.loop.num_epochs >= 0, 'loop.num_epochs', 'must be >= 0')
+  check(config.rollout.num_tasks >= 1, 'rollout.num_tasks', 'must be >= 1')
+  check(config.rollout.group_size >= 1, 'rollout.group_size', 'must be >= 1')
+  check(config.judge.num_samples >= 1, 'judge.num_samples', 'must be >= 1')
+  check(0 <= config.curator.alpha_low < config.curator.alpha_high <= 1,
+        'curator.alpha_low', 'need 0 <= alpha_low < alpha_high <= 1')
+  check(config.feedback.singleton in ('raw', 'zero'), 'feedback.singleton',
+        "must be 'raw' or 'zero'")
+  check(config.loop.checkpoint_every >= 1, 'loop.checkpoint_every',
+        'must be >= 1')
+
+
+def _lookup(config, key: str):
+  for part in key.split('.'):
+    config = config[part]
+  return config
+
+
+def _make_env(config, workdir: str):
+  try:
+    module = importlib.import_module(f'rla_jax.envs.{config.env.name}')
+  except ModuleNotFoundError as e:
+    raise ValueError(f'config.env.name={config.env.name!r}: no module '
+                     f'rla_jax/envs/{config.env.name}.py ({e})') from e
+  return module, module.from_config(config.env, workdir)
+
+
+def _broadcast_pool(pool):
+  """Process 0's pool on every host (curator decisions are made there)."""
+  if jax.process_count() == 1:
+    return pool
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  data = np.frombuffer(json.dumps(curator.state(pool)).encode(), np.uint8)
+  size = multihost_utils.broadcast_one_to_all(np.int64(data.size))
+  buf = np.zeros(int(size), np.uint8)
+  buf[:data.size] = data[:int(size)]
+  buf = multihost_utils.broadcast_one_to_all(buf)
+  return curator.from_state(json.loads(bytes(buf).decode()))
+
+
+def _setup(config, workdir: str) -> Run:
+  chief = jax.process_index() == 0
+  mesh = sharding.mesh_from_config(config.mesh)
+  rules = sharding.resolve_rules(config.mesh.rules)
+  env_module, env = _make_env(config, workdir)
+  make_tokenizer = getattr(env_module, 'make_tokenizer', None)
+  graphdefs, params, tokenizers = {}, {}, {}
+  with sharding.use(mesh, rules):
+    for name in ('policy', 'reward_model', 'env_model'):
+      model, tokenizers[name] = loading.from_config(
+          config[name], name=name, mesh=mesh, rules=rules,
+          make_tokenizer=make_tokenizer)
+      graphdefs[name], state = nnx.split(model)
+      params[name] = nnx.to_pure_dict(state)
+  trainers, states = {}, {}
+  for name, kind in (('policy', train.POLICY), ('reward_model', train.REWARD)):
+    trainers[name] = train.Trainer(graphdefs[name], config.optim[name],
+                                   config.train[name], mesh, rules, kind=kind)
+    states[name] = trainers[name].init_state(params[name])
+  pool = curator.build_pool(env.tasks('train'))
+  order = iter(grain.MapDataset.range(len(pool)).shuffle(seed=config.seed)
+               .repeat().to_iter_dataset())
+  return Run(config=config, workdir=workdir, mesh=mesh, rules=rules, env=env,
+             tokenizers=tokenizers, graphdefs=graphdefs, trainers=trainers,
+             states=states, env_params=params['env_model'], pool=pool,
+             order=order,
+             writer=metrics.Writer(os.path.join(workdir, 'tb'), enabled=chief),
+             executor=futures.ThreadPoolExecutor(config.loop.env_threads),
+             chief=chief)
+
+
+def pool_digest(pool_state) -> str:
+  """Short fingerprint of a pool state (logged on resume)."""
+  blob = json.dumps(pool_state, sort_keys=True).encode()
+  return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _save(run: Run, ckpt: checkpoint.Checkpointer, epoch: int):
+  meta = {'epoch': epoch, 'pool': curator.state(run.pool),
+          'task_order': run.order.get_state(), 'seed': run.config.seed,
+          'steps': {name: int(s.step) for name, s in run.states.items()}}
+  ckpt.save(epoch, {name: train.state_dict(s) for name, s in
+                    run.states.items()}, meta)
+
+
+def _restore(run: Run, ckpt: checkpoint.Checkpointer, epoch: int):
+  targets = {name: train.state_dict(s) for name, s in run.states.items()}
+  trees, meta = ckpt.restore(epoch, targets)
+  run.states = {name: train.state_from_dict(trees[name])
+                for name in run.states}
+  run.pool = curator.from_state(meta['pool'])
+  run.order.set_state(meta['task_order'])
+
+
+def run(config, workdir: str) -> dict[str, float]:
+  """Trains for config.loop.num_epochs epochs (resuming if possible)."""
+  validate(config)
+  os.makedirs(workdir, exist_ok=True)
+  state = _setup(config, workdir)
+  if state.chief:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2))
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                 config.loop.keep_checkpoints)
+  first = 1
+  latest = ckpt.latest_epoch()
+  if latest is not None:
+    _restore(state, ckpt, latest)
+    first = latest + 1
+    line = (f'resumed from epoch {latest} checkpoint; starting epoch {first} '
+            f'(pool {pool_digest(curator.state(state.pool))}, '
+            f'policy step {int(state.states["policy"].step)})')
+    logging.info('%s in %s', line, ckpt.directory)
+    if state.chief:
+      print(line, flush=True)
+  last: dict[str, float] = {}
+  with sharding.use(state.mesh, state.rules):
+    if first == 1 and config.eval.every:
+      state.writer.scalars(0, _evaluate(state, 0))
+    for epoch in range(first, config.loop.num_epochs + 1):
+      values = _epoch(state, epoch)
+      state.pool = _broadcast_pool(state.pool)
+      is_last = epoch == config.loop.num_epochs
+      if config.eval.every and (epoch % config.eval.every == 0 or is_last):
+        values.update(_evaluate(state, epoch))
+      if epoch % config.loop.checkpoint_every == 0 or is_last:
+        _save(state, ckpt, epoch)
+      if state.chief:
+        curator.save_jsonl(state.pool, os.path.join(workdir, 'pool.jsonl'))
+        state.writer.scalars(epoch, values)
+        state.writer.flush()
+        print(metrics.summary_line(epoch, values, SUMMARY_KEYS), flush=True)
+      last = values
+  ckpt.close()
+  state.writer.close()
+  state.executor.shutdown()
+  return last

@@ -1,0 +1,79 @@
+"""TensorBoard (tensorboardX) scalars, text and histograms, mirrored to JSONL.
+
+Names follow `stage/quantity` (rollout/accuracy, policy/kl, time/judge_s...).
+Only process 0 writes; other processes get a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+
+class Writer:
+  """Writes scalars/text/histograms to TensorBoard and `metrics.jsonl`."""
+
+  def __init__(self, logdir: str, enabled: bool = True):
+    self.enabled = enabled
+    self._tb = None
+    self._jsonl = None
+    if enabled:
+      # Imported lazily: tensorboardX pulls in torch when it is installed.
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+      os.makedirs(logdir, exist_ok=True)
+      self._tb = tensorboardX.SummaryWriter(logdir)
+      self._jsonl = open(os.path.join(logdir, 'metrics.jsonl'), 'a')
+
+  def scalars(self, step: int, values: Mapping[str, float]):
+    if not self.enabled:
+      return
+    clean = {k: float(v) for k, v in values.items()
+             if v is not None and math.isfinite(float(v))}
+    for name, value in clean.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({'step': step, 'time': time.time(),
+                                  **clean}) + '\n')
+    self._jsonl.flush()
+
+  def text(self, step: int, name: str, text: str):
+    if self.enabled:
+      # TensorBoard renders markdown; indent so whitespace survives.
+      self._tb.add_text(name, '    ' + text.replace('\n', '\n    '), step)
+
+  def histogram(self, step: int, name: str, values: Iterable[float]):
+    values = np.asarray(list(values), np.float64)
+    if self.enabled and values.size:
+      self._tb.add_histogram(name, values, step)
+
+  def flush(self):
+    if self.enabled:
+      self._tb.flush()
+      self._jsonl.flush()
+
+  def close(self):
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+def progress(iterable=None, *, total=None, desc: str, enabled: bool = True):
+  """A tqdm bar on stderr (quiet when not a terminal unless forced)."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  return tqdm(iterable, total=total, desc=desc, disable=not enabled,
+              leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def summary_line(epoch: int, values: Mapping[str, float],
+                 keys: Iterable[str]) -> str:
+  """One line per epoch on stdout, e.g. `epoch 3 | rollout/accuracy 0.41 | ...`."""
+  parts = [f'epoch {epoch}']
+  for key in keys:
+    if key in values:
+      parts.append(f'{key} {values[key]:.4g}')
+  return ' | '.join(parts)

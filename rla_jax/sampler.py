@@ -1,0 +1,415 @@
+"""Batched generation: one prefill, then a lax.while_loop decode, in one jit.
+
+Prompts are left-padded to a bucketed length and the batch is padded with
+dummy rows to a bucketed size, so calls of similar size reuse one compiled
+program. All rows write the KV cache in lockstep (see transformer.KVCache);
+a finished row keeps stepping, masked, until every row is done. Stop strings
+are found on the host afterwards.
+
+Multi-turn: `generate(..., keep_session=True)` returns the KV cache of every
+conversation; passing it back as `session=` with the next observations
+appends them to the cache instead of prefilling the whole conversation again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rla_jax import sampling
+from rla_jax import sharding
+from rla_jax.models import transformer
+
+STOP_TOKEN = 'stop_token'
+STOP_STRING = 'stop_string'
+LENGTH = 'length'
+INACTIVE = 'inactive'  # a session row passed as None: nothing generated
+
+_traces = 0
+
+
+def num_traces() -> int:
+  """How often the generation program has been traced (tests assert reuse)."""
+  return _traces
+
+
+@dataclasses.dataclass
+class Session:
+  """Conversations whose KV cache is still held on device.
+
+  `conversations[r]` is every token of row r so far; all but its last token
+  are in `cache` (the last one was sampled, never fed), at positions 0, 1, ...
+  Rows past `len(conversations)` are batch padding.
+  """
+
+  cache: transformer.KVCache
+  conversations: list[list[int]]
+
+
+@dataclasses.dataclass
+class Output:
+  """Per row (prompt-major: the G samples of prompt 0 come first)."""
+
+  tokens: list[list[int]]
+  logprobs: list[list[float]]  # temperature-1 log-softmax of each token
+  num_tokens: list[int]
+  finish_reason: list[str]  # STOP_TOKEN | STOP_STRING | LENGTH | INACTIVE
+  texts: list[str] | None = None  # decoded tokens, when a tokenizer is given
+  session: Session | None = None  # with keep_session=True
+
+  def padded(self, length: int):
+    """(tokens [R, length] padded with 0, logprobs [R, length], mask)."""
+    mask = np.arange(length)[None, :] < np.asarray(self.num_tokens)[:, None]
+    tokens = np.zeros(mask.shape, np.int32)
+    logprobs = np.zeros(mask.shape, np.float32)
+    tokens[mask] = [t for row in self.tokens for t in row]
+    logprobs[mask] = [p for row in self.logprobs for p in row]
+    return tokens, logprobs, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The static part of one compiled generation program."""
+
+  sampling: sampling.Params
+  max_new_tokens: int
+  num_samples: int
+  stop_token_ids: tuple[int, ...]
+  cache_length: int
+  transpose_head: bool
+  rules: tuple  # keys the jit cache; `sharding.constrain` reads the rules
+
+
+@flax.struct.dataclass
+class _Loop:
+  step: jax.Array  # tokens generated so far (scalar)
+  last_B: jax.Array  # the token fed at the next step
+  positions_B: jax.Array  # its position
+  done_B: jax.Array
+  num_B: jax.Array  # tokens generated per row
+  tokens_BxN: jax.Array  # 0 after a row is done
+  logprobs_BxN: jax.Array  # 0 after a row is done
+  cache: transformer.KVCache
+
+
+def _map_rows(fn, cache: transformer.KVCache) -> transformer.KVCache:
+  return cache.replace(k=tuple(map(fn, cache.k)), v=tuple(map(fn, cache.v)),
+                       mask_BxS=fn(cache.mask_BxS))
+
+
+@functools.partial(jax.jit, static_argnames='length')
+def _widen(cache: transformer.KVCache, length: int) -> transformer.KVCache:
+  """The cache grown to `length` slots; the new ones are empty."""
+  pad = length - cache.mask_BxS.shape[1]
+  return _map_rows(
+      lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), cache)
+
+
+def _generate(graphdef, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
+              seed, *, plan: _Plan):
+  """Appends each row's chunk to the cache, then samples until all are done.
+
+  The chunk's last token is fed by the first loop step, so the prefill never
+  computes logits (XLA drops them). Returns tokens and log-probs [B*G, N],
+  the number of tokens per row and the cache.
+  """
+  global _traces
+  _traces += 1
+  model = nnx.merge(graphdef, params)
+  b = chunk_BxC.shape[0]
+  g, n = plan.num_samples, plan.max_new_tokens
+  if cache is None:
+    cache = transformer.init_cache(model.config, b, plan.cache_length)
+  positions_BxC = start_B[:, None] + transformer.default_positions(mask_BxC)
+  if chunk_BxC.shape[1] > 1:
+    _, cache = model.decode(chunk_BxC[:, :-1], positions_BxC[:, :-1],
+                            mask_BxC[:, :-1], cache)
+  # The G samples of a prompt share its prefill.
+  repeat = lambda x: jnp.repeat(x, g, axis=0)
+  if g > 1:
+    cache = _map_rows(repeat, cache)
+  head_DxV = model.head_weight().T if plan.transpose_head else None
+  stop_ids_1xK = jnp.asarray(plan.stop_token_ids, jnp.int32).reshape(1, -1)
+  row_keys = jax.vmap(jax.random.fold_in, (None, 0))(
+      jax.random.key(seed), jnp.arange(b * g))
+  tiny = jnp.finfo(jnp.float32).tiny
+
+  def advance(s: _Loop) -> _Loop:
+    logits_Bx1xV, cache = model.decode(
+        s.last_B[:, None], s.positions_B[:, None], ~s.done_B[:, None], s.cache,
+        head_DxV=head_DxV)
+    logits_BxV = logits_Bx1xV[:, 0]
+    u_B = jax.vmap(lambda k: jax.random.uniform(
+        jax.random.fold_in(k, s.step), (), minval=tiny))(row_keys)
+    live = ~s.done_B
+    token_B = jnp.where(live, sampling.next_token(logits_BxV, u_B,
+                                                  plan.sampling), 0)
+    logprob_B = jnp.where(live, sampling.logprob(logits_BxV, token_B), 0.)
+    hit_B = live & jnp.any(token_B[:, None] == stop_ids_1xK, axis=1)
+    at = (0, s.step)
+    return _Loop(
+        step=s.step + 1, last_B=token_B, positions_B=s.positions_B + 1,
+        done_B=s.done_B | hit_B, num_B=s.num_B + live.astype(jnp.int32),
+        tokens_BxN=jax.lax.dynamic_update_slice(s.tokens_BxN, token_B[:, None],
+                                                at),
+        logprobs_BxN=jax.lax.dynamic_update_slice(s.logprobs_BxN,
+                                                  logprob_B[:, None], at),
+        cache=cache)
+
+  state = _Loop(
+      step=jnp.zeros((), jnp.int32), last_B=repeat(chunk_BxC[:, -1]),
+      positions_B=repeat(positions_BxC[:, -1]), done_B=repeat(~live_B),
+      num_B=jnp.zeros((b * g,), jnp.int32),
+      tokens_BxN=sharding.constrain(jnp.zeros((b * g, n), jnp.int32),
+                                    ('batch', None)),
+      logprobs_BxN=sharding.constrain(jnp.zeros((b * g, n), jnp.float32),
+                                      ('batch', None)),
+      cache=cache)
+  state = jax.lax.while_loop(
+      lambda s: (s.step < n) & ~jnp.all(s.done_B), advance, state)
+  return state.tokens_BxN, state.logprobs_BxN, state.num_B, state.cache
+
+
+_generate_jit = jax.jit(_generate, static_argnames=('graphdef', 'plan'),
+                        donate_argnames=('cache',))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  """Smallest bucket >= n; past the largest, a multiple of the largest."""
+  fits = [b for b in buckets if b >= n]
+  if fits:
+    return min(fits)
+  top = max(buckets)
+  return -(-n // top) * top
+
+
+def _stop_string_cut(tokens, tokenizer, stop_strings) -> int | None:
+  """Fewest leading tokens whose text contains a stop string, or None."""
+
+  def found(k):
+    text = tokenizer.decode(tokens[:k], skip_special_tokens=False)
+    return any(s in text for s in stop_strings)
+
+  if not found(len(tokens)):
+    return None
+  lo, hi = 0, len(tokens)  # found(lo) is False, found(hi) is True
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if found(mid) else (mid, hi)
+  return hi
+
+
+def _put(x, mesh, rules, axes):
+  if mesh is None:
+    return jnp.asarray(x)
+  return jax.device_put(x, sharding.named(mesh, axes, x.shape, rules))
+
+
+@dataclasses.dataclass
+class _Rows:
+  """What each row feeds this call, and the cache it is appended to."""
+
+  chunks: list[list[int]]  # tokens each row feeds
+  start: list[int]  # position of each chunk's first token
+  whole: list[list[int]]  # each conversation, new prompt included
+  cache: transformer.KVCache | None  # None: a fresh one
+  origin: int  # cache slot of the chunks' first column
+  width: int  # padded chunk length
+  length: int  # cache slots
+  batch: int  # rows before the G repeat
+
+
+def _plan_rows(prompts, session, max_new_tokens, prompt_buckets,
+               batch_buckets, cache_bucket, max_cache_length) -> _Rows:
+  """Chunks, positions and cache for this call.
+
+  A row feeds what its cache lacks: the last token of its conversation
+  (sampled by the previous call, never fed) and the new prompt.
+  """
+  history = [[]] * len(prompts) if session is None else session.conversations
+  for r, (h, p) in enumerate(zip(history, prompts)):
+    if (p is None and session is None) or (p is not None and not h + list(p)):
+      raise ValueError(f'prompt {r} is empty')
+  whole = [list(h) + list(p or ()) for h, p in zip(history, prompts)]
+  start = [max(len(h) - 1, 0) for h in history]
+  chunks = [w[f:] for w, f in zip(whole, start)]
+  width = _bucket(max(map(len, chunks)), prompt_buckets)
+  if session is None:
+    return _Rows(chunks, start, whole, None, 0, width, width + max_new_tokens,
+                 _bucket(len(prompts), batch_buckets))
+  cache = session.cache
+  batch, length = cache.mask_BxS.shape  # the chunk goes to every cache row
+  origin = int(cache.index)
+  if origin + width + max_new_tokens > length:
+    length = _bucket(origin + width + max_new_tokens, (cache_bucket,))
+  if length > max_cache_length:  # compact: prefill everything again
+    width = _bucket(max(map(len, whole)), prompt_buckets)
+    return _Rows(whole, [0] * len(whole), whole, None, 0, width,
+                 width + max_new_tokens, batch)
+  if length > cache.mask_BxS.shape[1]:
+    cache = _widen(cache, length)
+  return _Rows(chunks, start, whole, cache, origin, width, length, batch)
+
+
+def _finish(tokens, logprobs, num, prompts, g, stop_ids, stop_strings,
+            tokenizer):
+  """Host-side rows; also {row: tokens kept} for rows cut at a stop string."""
+  tokens, logprobs, num = jax.device_get((tokens, logprobs, num))
+  out = Output([], [], [], [])
+  cuts = {}
+  for r in range(len(prompts) * g):
+    k = int(num[r])
+    row = tokens[r, :k].tolist()
+    if prompts[r // g] is None:
+      reason = INACTIVE
+    elif k and row[-1] in stop_ids:
+      reason = STOP_TOKEN
+    else:
+      reason = LENGTH
+    cut = _stop_string_cut(row, tokenizer, stop_strings) if (
+        stop_strings and k) else None
+    if cut is not None:
+      k, reason, row, cuts[r] = cut, STOP_STRING, row[:cut], cut
+    out.tokens.append(row)
+    out.logprobs.append(logprobs[r, :k].tolist())
+    out.num_tokens.append(k)
+    out.finish_reason.append(reason)
+  if tokenizer is not None:
+    out.texts = [tokenizer.decode(t, skip_special_tokens=False)
+                 for t in out.tokens]
+  return out, cuts
+
+
+def _next_session(cache, whole, out, g, cuts, last_slot):
+  """Conversations extended by this call; cache slots of cut tokens masked.
+
+  Generated token j of a row was fed at slot `last_slot + 1 + j`, where
+  `last_slot` holds the last chunk token; a row cut to k tokens keeps 0..k-2.
+  """
+  if cuts:
+    mask = np.array(cache.mask_BxS)
+    for r, k in cuts.items():
+      mask[r, last_slot + k:] = False
+    cache = cache.replace(
+        mask_BxS=jax.device_put(mask, cache.mask_BxS.sharding))
+  conversations = [whole[r // g] + tokens for r, tokens in enumerate(out.tokens)]
+  return Session(cache, conversations)
+
+
+def _put(x, mesh, rules, axes):
+  if mesh is None:
+    return jnp.asarray(x)
+  return jax.device_put(x, sharding.named(mesh, axes, x.shape, rules))
+
+
+def generate(model: transformer.Transformer,
+             prompts: Sequence[Sequence[int] | None],
+             max_new_tokens: int, *,
+             temperature: float = 1.0,
+             top_p: float = 1.0,
+             top_k: int = 0,
+             stop_token_ids: Sequence[int] = (),
+             seed: int = 0,
+             allowed_token_ids: Sequence[int] = (),
+             num_samples: int = 1,
+             stop_strings: Sequence[str] = (),
+             tokenizer=None,
+             prompt_buckets: Sequence[int] = (32, 64, 128, 256, 512, 1024),
+             batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+             cache_bucket: int = 128,
+             max_cache_length: int = 8192,
+             transpose_head: bool | None = None,
+             mesh: jax.sharding.Mesh | None = None,
+             rules: tuple = sharding.DEFAULT_RULES,
+             session: Session | None = None,
+             keep_session: bool = False) -> Output:
+  """Samples up to `max_new_tokens` tokens after each prompt.
+
+  Args:
+    model: the policy; with `mesh`, its parameters are used in their sharding.
+    prompts: token ids per row. With `session`, the tokens to append to each
+      session row (e.g. an observation), or None to leave that row idle.
+    max_new_tokens: generation budget per row (static: part of the program).
+    temperature: 0 is greedy.
+    top_p, top_k: nucleus and top-k filters (1.0 and 0 disable them).
+    stop_token_ids: a row ends after sampling one of these (kept in its tokens).
+    seed: the random stream of row r depends only on (seed, r): vary it per
+      call.
+    allowed_token_ids: constrained decoding: only these ids are sampled (the
+      returned log-probs stay those of the unconstrained model, which is what
+      the trainer's pi_old measures).
+    num_samples: G rows per prompt, sharing one prefill of the prompt.
+    stop_strings: with `tokenizer`, a row ends at the first token whose text
+      completes one of these (checked on the host after decoding; the tokens
+      up to that one are kept, so the text contains the stop string).
+    tokenizer: a transformers tokenizer, for stop strings and `texts`.
+    prompt_buckets, batch_buckets: allowed padded prompt lengths and prompt
+      counts; each (prompt bucket, batch bucket) pair compiles once.
+    cache_bucket: a session's cache grows in multiples of this many slots.
+    max_cache_length: past this, a session re-prefills its conversations into
+      a fresh, compact cache instead of growing.
+    transpose_head: keep a [D, V] copy of the output projection during the
+      call (faster on CPU, costs V*D memory); None: only on CPU.
+    mesh, rules: shard the batch over ('data', 'fsdp') and the cache's kv heads
+      over 'tensor' as the rules say.
+    session: the `session` of an earlier output, to continue its rows.
+    keep_session: return the cache in `Output.session`.
+
+  Returns:
+    An Output with one entry per row: len(prompts) * num_samples rows.
+  """
+  if not prompts or max_new_tokens < 1 or num_samples < 1:
+    raise ValueError(f'{len(prompts)} prompts, max_new_tokens='
+                     f'{max_new_tokens}, num_samples={num_samples}: all must '
+                     'be >= 1')
+  if stop_strings and tokenizer is None:
+    raise ValueError('stop_strings need a tokenizer')
+  if session is not None and len(prompts) != len(session.conversations):
+    raise ValueError(f'{len(prompts)} prompts for a session of '
+                     f'{len(session.conversations)} rows')
+  if session is not None and session.cache is None:
+    raise ValueError('this session was continued already (its cache is '
+                     'donated to the call that continues it)')
+  g = num_samples
+  rows = _plan_rows(prompts, session, max_new_tokens, prompt_buckets,
+                    batch_buckets, cache_bucket, max_cache_length)
+  if session is not None:
+    session.cache = None
+  chunk = np.zeros((rows.batch, rows.width), np.int32)
+  mask = np.zeros((rows.batch, rows.width), bool)
+  for r, c in enumerate(rows.chunks):
+    chunk[r, rows.width - len(c):] = c
+    mask[r, rows.width - len(c):] = True
+  start = np.zeros(rows.batch, np.int32)
+  start[:len(prompts)] = rows.start
+  live = np.zeros(rows.batch, bool)
+  live[:len(prompts)] = [p is not None for p in prompts]
+  if transpose_head is None:
+    transpose_head = jax.default_backend() == 'cpu'
+  plan = _Plan(sampling.Params(temperature, top_p, top_k,
+                               tuple(int(t) for t in allowed_token_ids)),
+               max_new_tokens, g,
+               tuple(int(t) for t in stop_token_ids), rows.length,
+               bool(transpose_head), tuple(rules))
+  graphdef, state = nnx.split(model)
+  with sharding.use(mesh, rules):
+    tokens, logprobs, num, cache = _generate_jit(
+        graphdef, nnx.to_pure_dict(state), rows.cache,
+        _put(chunk, mesh, rules, ('batch', 'length')),
+        _put(mask, mesh, rules, ('batch', 'length')),
+        _put(start, mesh, rules, ('batch',)),
+        _put(live, mesh, rules, ('batch',)),
+        np.uint32(seed), plan=plan)
+  out, cuts = _finish(tokens, logprobs, num, prompts, g, plan.stop_token_ids,
+                      stop_strings, tokenizer)
+  if keep_session:
+    out.session = _next_session(cache, rows.whole, out, g, cuts,
+                                rows.origin + rows.width - 1)
+  return out

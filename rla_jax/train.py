@@ -1,0 +1,477 @@
+"""Policy and reward-model training: TrainState, log-prob pass, jitted steps.
+
+`policy_step` / `reward_step` are module-level pure functions; a `Trainer`
+only holds them jitted for one model on one mesh. `update` runs one RL
+epoch's training from a list of `structs.Example`s.
+
+Letters: M micro-batches, B sequences, T tokens, R response tokens, D width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rla_jax import batching
+from rla_jax import losses
+from rla_jax import sharding
+from rla_jax import structs
+from rla_jax.models import transformer
+
+POLICY = 'policy'
+REWARD = 'reward'
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32: optimizer steps applied so far
+  params: Any  # pure dict, the arrays the sampler reads
+  opt_state: Any
+
+
+def state_dict(state: TrainState) -> dict[str, Any]:
+  """The state as a plain dict (for checkpoints)."""
+  return dict(step=state.step, params=state.params, opt_state=state.opt_state)
+
+
+def state_from_dict(tree: dict[str, Any]) -> TrainState:
+  return TrainState(step=tree['step'], params=tree['params'],
+                    opt_state=tree['opt_state'])
+
+
+class NonFiniteLossError(FloatingPointError):
+  """A step produced a non-finite loss; `state` is the state before it."""
+
+  def __init__(self, message: str, state: TrainState):
+    super().__init__(message)
+    self.state = state
+
+
+# ---- optimizer -------------------------------------------------------------
+
+
+def make_schedule(optim_config) -> optax.Schedule:
+  """'constant' | 'cosine' | 'linear' decay after a linear warmup."""
+  lr, warmup = optim_config.learning_rate, optim_config.warmup_steps
+  kind, decay_steps = optim_config.schedule, optim_config.decay_steps
+  if kind not in ('constant', 'cosine', 'linear'):
+    raise ValueError(f'optim.schedule={kind!r}; expected constant, cosine or '
+                     'linear')
+  if kind != 'constant' and decay_steps <= 0:
+    raise ValueError(f'optim.schedule={kind!r} needs optim.decay_steps > 0')
+  if kind == 'constant':
+    decay = optax.constant_schedule(lr)
+  elif kind == 'cosine':
+    decay = optax.cosine_decay_schedule(lr, decay_steps,
+                                        alpha=optim_config.min_lr_ratio)
+  else:
+    decay = optax.linear_schedule(lr, lr * optim_config.min_lr_ratio,
+                                  decay_steps)
+  if warmup <= 0:
+    return decay
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+
+
+def make_optimizer(optim_config) -> optax.GradientTransformation:
+  """Global-norm clipping (on the accumulated gradient), then AdamW.
+
+  The AdamW hyper-parameters (and a constant learning rate) live in the
+  optimizer state rather than in the compiled program.
+  """
+  schedule = make_schedule(optim_config)
+  if optim_config.schedule == 'constant' and optim_config.warmup_steps <= 0:
+    schedule = float(optim_config.learning_rate)
+  adamw = optax.inject_hyperparams(optax.adamw)(
+      learning_rate=schedule, b1=optim_config.b1, b2=optim_config.b2,
+      eps=optim_config.eps, weight_decay=optim_config.weight_decay)
+  if optim_config.max_grad_norm <= 0:
+    return adamw
+  return optax.chain(optax.clip_by_global_norm(optim_config.max_grad_norm),
+                     adamw)
+
+
+def current_lr(opt_state) -> jax.Array:
+  """The learning rate of the last update."""
+  return optax.tree_utils.tree_get(opt_state, 'hyperparams')['learning_rate']
+
+
+def loss_config(train_config) -> losses.LossConfig:
+  return losses.LossConfig(
+      clip_eps=train_config.clip_eps, kl_coef=train_config.kl_coef,
+      entropy_coef=train_config.entropy_coef,
+      log_ratio_clamp=train_config.log_ratio_clamp,
+      aggregation=train_config.aggregation,
+      compute_entropy=train_config.compute_entropy)
+
+
+# ---- device functions ------------------------------------------------------
+
+
+def _response_hidden(model, tokens_BxT, mask_BxT, response_len: int):
+  """Hidden states that predict the response tokens, and those tokens."""
+  t = tokens_BxT.shape[1]
+  p = t - response_len
+  hidden_BxTxD = model.hidden(tokens_BxT, mask_BxT=mask_BxT)
+  return hidden_BxTxD[:, p - 1:t - 1], tokens_BxT[:, p:]
+
+
+def _head_positions(head_chunk: int, batch_size: int) -> int:
+  """Positions per head chunk for `head_chunk` tokens over the micro-batch."""
+  return max(1, head_chunk // batch_size) if head_chunk > 0 else 0
+
+
+def _over_micro_batches(fn, init, xs, active_M):
+  """Folds fn(carry, x) -> (carry, y) over micro-batches; skips padding ones.
+
+  A single micro-batch compiles to straight-line code.
+  """
+  if active_M.shape[0] == 1:
+    carry, y = fn(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda v: v[None], y)
+  y_shape = jax.eval_shape(fn, init, jax.tree.map(lambda x: x[0], xs))[1]
+
+  def body(carry, active_x):
+    active, x = active_x
+    skip = lambda: (carry, jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), y_shape))
+    return jax.lax.cond(active, lambda: fn(carry, x), skip)
+
+  return jax.lax.scan(body, init, (active_M, xs))
+
+
+def logprob_pass(params, batch: batching.Batch, *, graphdef, head_chunk: int):
+  """log pi(response token) of every micro-batch: [M, B, R] float32."""
+  r = batch.response_len
+  chunk = _head_positions(head_chunk, batch.tokens_MxBxT.shape[1])
+
+  def one(carry, xs):
+    tokens_BxT, mask_BxT = xs
+    model = nnx.merge(graphdef, params)
+    hidden_BxRxD, targets_BxR = _response_hidden(model, tokens_BxT, mask_BxT,
+                                                 r)
+    return carry, losses.token_logprobs(hidden_BxRxD, model.head_weight(),
+                                        targets_BxR, chunk=chunk)
+
+  active_M = jnp.any(batch.response_mask_MxBxR, axis=(1, 2))
+  return _over_micro_batches(one, (), (batch.tokens_MxBxT, batch.mask_MxBxT),
+                             active_M)[1]
+
+
+def _global_weights(batch: batching.Batch, aggregation: str):
+  """Token weights normalised over all micro-batches of the step."""
+  mask_MxBxR = batch.response_mask_MxBxR
+  m, b, r = mask_MxBxR.shape
+  mask_NxR = mask_MxBxR.reshape(m * b, r)
+  num_tokens = jnp.sum(mask_NxR)
+  num_sequences = jnp.sum(jnp.any(mask_NxR, axis=1))
+  weights = losses.token_weights(mask_NxR, aggregation, num_sequences,
+                                 num_tokens)
+  return weights.reshape(m, b, r), num_tokens, num_sequences
+
+
+def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
+                grad_shardings):
+  """Sums of loss, metrics and float32 gradients over the micro-batches."""
+  weights_MxBxR, num_tokens, num_sequences = _global_weights(
+      batch, loss_cfg.aggregation)
+  r = batch.response_len
+  chunk = _head_positions(head_chunk, batch.tokens_MxBxT.shape[1])
+
+  def loss_fn(p, xs):
+    tokens_BxT, mask_BxT, weights_BxR, old_BxR, ref_BxR, adv_B = xs
+    model = nnx.merge(graphdef, p)
+    hidden_BxRxD, targets_BxR = _response_hidden(model, tokens_BxT, mask_BxT,
+                                                 r)
+    data = dict(old_logp_BxT=old_BxR, ref_logp_BxT=ref_BxR,
+                weights_BxT=weights_BxR, advantages_B=adv_B)
+    return losses.head_loss(hidden_BxRxD, model.head_weight(), targets_BxR,
+                            data, loss_cfg, chunk)
+
+  constrain = lambda g: g if grad_shardings is None else (
+      jax.lax.with_sharding_constraint(g, grad_shardings))
+
+  def micro(acc, xs):
+    out, grads = jax.value_and_grad(loss_fn, has_aux=True)(params, xs)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    if acc is not None:
+      grads = jax.tree.map(jnp.add, acc, grads)
+    return constrain(grads), out
+
+  xs = (batch.tokens_MxBxT, batch.mask_MxBxT, weights_MxBxR,
+        batch.old_logp_MxBxR, batch.ref_logp_MxBxR, batch.advantages_MxB)
+  active_M = jnp.any(batch.response_mask_MxBxR, axis=(1, 2))
+  init = None
+  if active_M.shape[0] > 1:
+    init = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                                  params))
+  grads, (loss_M, metrics_M) = _over_micro_batches(micro, init, xs, active_M)
+  metrics = {k: jnp.max(v) if k == 'ratio_max' else jnp.sum(v)
+             for k, v in metrics_M.items()}
+  metrics.update(tokens=num_tokens, sequences=num_sequences)
+  return grads, jnp.sum(loss_M), metrics
+
+
+def policy_step(state: TrainState, batch: batching.Batch, *, graphdef,
+                tx: optax.GradientTransformation,
+                loss_cfg: losses.LossConfig, head_chunk: int,
+                grad_shardings=None) -> tuple[TrainState, dict[str, Any]]:
+  """One optimizer step on the summed gradient of all micro-batches.
+
+  A step whose loss or gradient is not finite leaves the state unchanged
+  (the host raises on it, see `update`).
+  """
+  grads, loss, metrics = _accumulate(state.params, batch, graphdef, loss_cfg,
+                                     head_chunk, grad_shardings)
+  grad_norm = optax.tree.norm(grads)
+
+  def apply():
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return TrainState(step=state.step + 1,
+                      params=optax.apply_updates(state.params, updates),
+                      opt_state=opt_state)
+
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new_state = jax.lax.cond(finite, apply, lambda: state)
+  metrics.update(loss=loss, grad_norm=grad_norm,
+                 lr=current_lr(new_state.opt_state))
+  return new_state, metrics
+
+
+def reward_step(state: TrainState, batch: batching.Batch, **kwargs):
+  """The RM is trained with the policy's loss (RLANYTHING.md 2.3)."""
+  return policy_step(state, batch, **kwargs)
+
+
+# ---- host side -------------------------------------------------------------
+
+
+def model_config(graphdef) -> transformer.ModelConfig:
+  """The ModelConfig a Transformer graphdef was built from."""
+  for _, attribute in graphdef.attributes:
+    value = getattr(attribute, 'value', None)
+    if isinstance(value, transformer.ModelConfig):
+      return value
+  raise TypeError('graphdef is not a rla_jax.models.transformer.Transformer')
+
+
+class Trainer:
+  """The jitted train functions of one model on one mesh; holds no arrays.
+
+  Compute dtype and parameter dtype come from the model's config (bf16
+  compute with float32 master weights: dtype='bfloat16',
+  param_dtype='float32'); `train.remat` rematerialises each block.
+  """
+
+  def __init__(self, graphdef, optim_config, train_config, mesh=None,
+               rules=sharding.DEFAULT_RULES, *, kind: str = POLICY):
+    if kind not in (POLICY, REWARD):
+      raise ValueError(f'kind={kind!r}; expected {POLICY!r} or {REWARD!r}')
+    self.kind, self.mesh, self.rules = kind, mesh, rules
+    self.optim_config, self.train_config = optim_config, train_config
+    self._check_config(train_config)
+    config = dataclasses.replace(model_config(graphdef),
+                                 remat=train_config.remat)
+    self.graphdef, abstract = nnx.split(transformer.abstract_model(config))
+    self.tx = make_optimizer(optim_config)
+    self.loss_cfg = loss_config(train_config)
+    fns = dict(
+        step=functools.partial(
+            policy_step if kind == POLICY else reward_step,
+            graphdef=self.graphdef, tx=self.tx, loss_cfg=self.loss_cfg,
+            head_chunk=train_config.head_chunk),
+        logprobs=functools.partial(logprob_pass, graphdef=self.graphdef,
+                                   head_chunk=train_config.head_chunk),
+        init=lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                  opt_state=self.tx.init(p)),
+        init_opt=self.tx.init)
+    self.shardings = None
+    if mesh is None:
+      self._step = jax.jit(fns['step'], donate_argnums=(0,))
+      self._logprobs = jax.jit(fns['logprobs'])
+      self._init = jax.jit(fns['init'])
+      self._init_opt = jax.jit(fns['init_opt'])
+      return
+    params_sh = sharding.param_shardings(abstract, mesh, rules)
+    repl = sharding.replicated(mesh)
+    opt_sh = optax.tree_map_params(
+        self.tx, lambda _, s: s,
+        jax.eval_shape(self.tx.init, nnx.to_pure_dict(abstract)), params_sh,
+        transform_non_params=lambda _: repl)
+    state_sh = TrainState(step=repl, params=params_sh, opt_state=opt_sh)
+    batch_sh = jax.sharding.NamedSharding(
+        mesh, sharding.spec((None, 'batch'), None, mesh, rules))
+    self._check_batch_split(mesh, batch_sh)
+    self.shardings = dict(params=params_sh, batch=batch_sh)
+    fns['step'] = functools.partial(fns['step'], grad_shardings=params_sh)
+    self._step = jax.jit(fns['step'], in_shardings=(state_sh, batch_sh),
+                         out_shardings=(state_sh, repl), donate_argnums=(0,))
+    self._logprobs = jax.jit(fns['logprobs'],
+                             in_shardings=(params_sh, batch_sh),
+                             out_shardings=batch_sh)
+    self._init = jax.jit(fns['init'], in_shardings=(params_sh,),
+                         out_shardings=state_sh)
+    self._init_opt = jax.jit(fns['init_opt'], in_shardings=(params_sh,),
+                             out_shardings=opt_sh)
+
+  @staticmethod
+  def _check_config(c):
+    for name, limit in (('prompt_buckets', c.max_prompt_len),
+                        ('response_buckets', c.max_response_len)):
+      if max(getattr(c, name)) < limit:
+        raise ValueError(f'train.{name}={tuple(getattr(c, name))} does not '
+                         f'reach the length limit {limit}')
+    if c.updates_per_epoch < 1 and c.global_batch_size < 1:
+      raise ValueError('train.updates_per_epoch or train.global_batch_size '
+                       'must be positive')
+    if c.micro_batch_size < 1:
+      raise ValueError(f'train.micro_batch_size={c.micro_batch_size}')
+    if c.overlong_prompt not in (batching.DROP, batching.TRUNCATE):
+      raise ValueError(f'train.overlong_prompt={c.overlong_prompt!r}; '
+                       f'expected {batching.DROP!r} or {batching.TRUNCATE!r}')
+
+  def _check_batch_split(self, mesh, batch_sh):
+    axes = batch_sh.spec[1] or ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    if self.train_config.micro_batch_size % ways:
+      raise ValueError(f'train.micro_batch_size='
+                       f'{self.train_config.micro_batch_size} is not a multiple'
+                       f' of the {ways} batch shards of the mesh')
+
+  def _put(self, tree, kind: str):
+    if self.shardings is None:
+      return jax.device_put(tree)
+    return jax.device_put(tree, self.shardings[kind])
+
+  def init_state(self, params) -> TrainState:
+    """A fresh state (step 0, new optimizer moments) around `params`."""
+    with sharding.use(self.mesh, self.rules):
+      return self._init(self._put(params, 'params'))
+
+  def reset_optimizer(self, state: TrainState) -> TrainState:
+    with sharding.use(self.mesh, self.rules):
+      return state.replace(opt_state=self._init_opt(state.params))
+
+  def logprobs(self, params, batch: batching.Batch) -> jax.Array:
+    """Per-token log-probs [M, B, R] of the batch's responses under params."""
+    with sharding.use(self.mesh, self.rules):
+      return self._logprobs(self._put(params, 'params'),
+                            self._put(batch, 'batch'))
+
+  def step(self, state: TrainState, batch: batching.Batch):
+    """One optimizer step; `state` is donated. Returns (state, metrics)."""
+    with sharding.use(self.mesh, self.rules):
+      return self._step(state, self._put(batch, 'batch'))
+
+
+def _epoch_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
+  out = {}
+  for key in per_step[0]:
+    values = [m[key] for m in per_step]
+    if key == 'ratio_max':
+      out[key] = max(values)
+    elif key in ('tokens', 'sequences'):
+      out[key] = sum(values)
+    elif key == 'lr':
+      out[key] = values[-1]
+    else:
+      out[key] = float(np.mean(values))
+  return out
+
+
+def _steps(train_config, kept: Sequence[structs.Example], epoch: int):
+  """Examples grouped per optimizer step by a grain pipeline.
+
+  A seeded shuffle (per RL epoch, when `shuffle` is on) then consecutive
+  groups of `global_batch_size`, or `updates_per_epoch` near-equal groups.
+  """
+  c = train_config
+  per_step = batching.step_size(len(kept), updates_per_epoch=c.updates_per_epoch,
+                                global_batch_size=c.global_batch_size)
+  ds = grain.MapDataset.source(list(kept))
+  if c.shuffle:
+    ds = ds.shuffle(seed=int(np.random.SeedSequence([c.seed, epoch])
+                             .generate_state(1)[0]))
+  return list(ds.batch(per_step, batch_fn=list))
+
+
+def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
+  """One Batch per optimizer step, with pi_old (and reference) log-probs."""
+  c = trainer.train_config
+  batches = []
+  for group in groups:
+    batch = batching.pack(group, micro_batch_size=c.micro_batch_size,
+                          prompt_buckets=c.prompt_buckets,
+                          response_buckets=c.response_buckets)
+    old = trainer.logprobs(state.params, batch)
+    ref = old if ref_params is None else trainer.logprobs(ref_params, batch)
+    batches.append(batch.replace(old_logp_MxBxR=old, ref_logp_MxBxR=ref))
+  return batches
+
+
+def update(trainer: Trainer, state: TrainState,
+           examples: Sequence[structs.Example], *, epoch: int,
+           ref_params=None) -> tuple[TrainState, dict[str, float]]:
+  """One RL epoch of training on `examples`.
+
+  Examples are fitted to the length limits (triples stay together), pi_old
+  log-probs of all of them are computed with the current params before the
+  first update, then one optimizer step runs per group of examples.
+
+  Args:
+    trainer: the model's Trainer.
+    state: its TrainState (donated).
+    examples: (prompt, response, advantage) triples.
+    epoch: RL epoch (seeds the shuffle; named in errors).
+    ref_params: a frozen reference model's params for the KL term; by
+      default the KL is taken against pi_old, as the authors do.
+
+  Returns:
+    (state, metrics): loss, pg_loss, kl, clip_frac, ratio_mean, entropy (if
+    computed) and grad_norm averaged over steps; ratio_max over steps; lr of
+    the last step; tokens, sequences, steps, dropped, examples, time_s,
+    tokens_per_s.
+
+  Raises:
+    NonFiniteLossError: a step's loss or gradient norm is not finite. The
+      error names the step; its `state` is the state before that step.
+  """
+  c = trainer.train_config
+  start = time.perf_counter()
+  kept, dropped = batching.select(
+      examples, max_prompt_len=c.max_prompt_len,
+      max_response_len=c.max_response_len, overlong_prompt=c.overlong_prompt)
+  base = dict(examples=float(len(examples)), dropped=float(dropped))
+  if not kept:
+    return state, dict(base, steps=0.0, tokens=0.0, sequences=0.0,
+                       time_s=time.perf_counter() - start)
+  if trainer.optim_config.reset_every_epoch:
+    state = trainer.reset_optimizer(state)
+  batches = _batches(trainer, state, _steps(c, kept, epoch), ref_params)
+  first_step = int(state.step)
+  per_step = []
+  for i, batch in enumerate(batches):
+    state, metrics = trainer.step(state, batch)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not (np.isfinite(metrics['loss']) and np.isfinite(metrics['grad_norm'])):
+      raise NonFiniteLossError(
+          f'{trainer.kind} train step {first_step + i} (epoch {epoch}, update '
+          f'{i + 1}/{len(batches)}): loss={metrics["loss"]}, grad_norm='
+          f'{metrics["grad_norm"]}; parameters were not updated', state)
+    per_step.append(metrics)
+  out = dict(_epoch_metrics(per_step), **base, steps=float(len(per_step)))
+  out['time_s'] = time.perf_counter() - start
+  out['tokens_per_s'] = out['tokens'] / out['time_s']
+  return state, out

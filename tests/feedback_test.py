@@ -1,0 +1,309 @@
+"""Tests for integrated feedback, consistency reward and RM metrics.
+
+Expected values are written out by hand from the formulas. Tokens encode
+where an example came from: a step's prompt is [rollout, k, 0] and response
+[rollout, k, 1]; a judgment's prompt is [rollout, k, j, 2], response
+[rollout, k, j, 3]. Each group uses its own task id.
+"""
+
+import math
+
+import ml_collections
+import numpy as np
+import pytest
+
+from rla_jax import feedback
+from rla_jax import structs
+
+
+def make_config(**overrides):
+  config = ml_collections.ConfigDict(dict(
+      lam=1.0, eps=1e-8, singleton='raw', parse_penalty=-2.0,
+      policy_acc_low=1 / 8, policy_acc_high=7 / 8, rm_acc_low=0.2,
+      rm_acc_high=0.8))
+  config.update(overrides)
+  return config
+
+
+def step(r, k):
+  return structs.Step(prompt=f'p{r}{k}', prompt_tokens=[r, k, 0],
+                      response=f'r{r}{k}', response_tokens=[r, k, 1],
+                      logprobs=[0.0], action=f'act {k}',
+                      observation=f'obs {k}', finish_reason='stop')
+
+
+def rollout(task, r, outcome, scores, source='active', status=structs.OK):
+  """A trajectory and its judgments; scores[k] lists S_j (None: unparsed)."""
+  traj = structs.Trajectory(task_id=task, source=source, rollout=r,
+                            spec={'id': task},
+                            steps=[step(r, k) for k in range(len(scores))],
+                            outcome=outcome, status=status)
+  judgments = []
+  for k, samples in enumerate(scores):
+    for j, s in enumerate(samples):
+      judgments.append(structs.Judgment(
+          task_id=task, source=source, rollout=r, step=k, sample=j,
+          prompt='', prompt_tokens=[r, k, j, 2], response='',
+          response_tokens=[r, k, j, 3], logprobs=[], score=s or 0,
+          parsed=s is not None))
+  return traj, judgments
+
+
+def build(*rollouts):
+  trajs = [t for t, _ in rollouts]
+  judgments = [j for _, js in rollouts for j in js]
+  return trajs, judgments
+
+
+def as_table(examples):
+  return {(tuple(e.prompt_tokens), tuple(e.response_tokens)): e.advantage
+          for e in examples}
+
+
+def policy_key(r, k):
+  return ((r, k, 0), (r, k, 1))
+
+
+def rm_key(r, k, j):
+  return ((r, k, j, 2), (r, k, j, 3))
+
+
+# Group 'a': 4 rollouts, outcomes +1 -1 +1 -1 (acc 0.5), steps 2, 3, 1, 2.
+#   R(step 0) = [1+1, -1-1, 1+0, -1+1] = [2, -2, 1, 0]
+#   R(step 1) = [1+1/3, -1+0, -, -1-1] = [4/3, -1, -2]   (rollouts 0, 1, 3)
+#   R(step 2) = [-, -1-1/3, -, -]      = [-4/3]          (singleton, rollout 1)
+GROUP_A = [
+    ('a', 0, 1.0, [[1, 1, 1], [1, 1, -1]]),
+    ('a', 1, -1.0, [[-1, -1, -1], [1, -1, None], [-1, None, None]]),
+    ('a', 2, 1.0, [[1, None, -1]]),
+    ('a', 3, -1.0, [[1, 1, 1], [-1, -1, -1]]),
+]
+
+
+def test_task_accuracy_excludes_and_counts_errors():
+  trajs, _ = build(rollout('a', 0, 1.0, [[1]]), rollout('a', 1, 1.0, [[1]]),
+                   rollout('a', 2, -1.0, [[1]]),
+                   rollout('a', 3, 1.0, [[1]], status=structs.ERROR),
+                   rollout('a', 0, -1.0, [[1]], source='pending'),
+                   rollout('b', 0, 1.0, [[1]], status=structs.ERROR))
+  acc = feedback.task_accuracy(trajs)
+  assert acc[('a', 'active')] == feedback.GroupAccuracy(2 / 3, 2, 3, 1)
+  assert acc[('a', 'pending')] == feedback.GroupAccuracy(0.0, 0, 1, 0)
+  assert acc[('b', 'active')] == feedback.GroupAccuracy(None, 0, 0, 1)
+
+
+def test_step_rewards_lambda_and_unparseable_as_zero():
+  trajs, judgments = build(rollout('a', 0, 1.0, [[1, -1, None], [1, 1, None]]),
+                           rollout('a', 1, -1.0, [[], [-1, -1, -1]]))
+  by_step = feedback.judgments_by_step(judgments)
+  rewards = feedback.step_rewards(trajs, by_step, lam=0.5)
+  assert rewards == pytest.approx({
+      ('a', 'active', 0, 0): 1.0,  # mean(1, -1, 0) = 0
+      ('a', 'active', 0, 1): 1.0 + 0.5 * 2 / 3,
+      ('a', 'active', 1, 0): -1.0,  # no judgments: R = O
+      ('a', 'active', 1, 1): -1.5,
+  })
+
+
+@pytest.mark.parametrize('singleton', ['raw', 'zero'])
+def test_policy_advantages_table(singleton):
+  trajs, judgments = build(*[rollout(*spec) for spec in GROUP_A])
+  policy, _, stats = feedback.integrate(trajs, judgments,
+                                        make_config(singleton=singleton))
+  std0 = math.sqrt((1.75**2 + 2.25**2 + 0.75**2 + 0.25**2) / 4)  # mean 0.25
+  std1 = math.sqrt(((17 / 9)**2 + (4 / 9)**2 + (13 / 9)**2) / 3)  # mean -5/9
+  expected = {
+      policy_key(0, 0): 1.75 / std0, policy_key(1, 0): -2.25 / std0,
+      policy_key(2, 0): 0.75 / std0, policy_key(3, 0): -0.25 / std0,
+      policy_key(0, 1): (17 / 9) / std1, policy_key(1, 1): (-4 / 9) / std1,
+      policy_key(3, 1): (-13 / 9) / std1,
+  }
+  if singleton == 'raw':
+    expected[policy_key(1, 2)] = -4 / 3
+  assert as_table(policy) == pytest.approx(expected)
+  assert len(policy) == len(expected)
+  assert stats['feedback/policy_singleton_steps'] == 1
+  assert stats['feedback/policy_dropped_zero'] == (singleton == 'zero')
+  assert stats['feedback/reward_mean'] == pytest.approx(
+      (2 - 2 + 1 + 0 + 4 / 3 - 1 - 2 - 4 / 3) / 8)
+
+
+def test_policy_zero_variance_and_value_at_mean_are_dropped():
+  trajs, judgments = build(
+      # Group 'b': R = [1-1, -1+1] = [0, 0] -> std 0 -> both dropped.
+      rollout('b', 0, 1.0, [[-1, -1, -1]]),
+      rollout('b', 1, -1.0, [[1, 1, 1]]),
+      # Group 'c': R = [4/3, -2/3, 1/3, 1/3], mean 1/3 -> rollouts 2, 3 at 0.
+      rollout('c', 0, 1.0, [[1, 1, -1]]),
+      rollout('c', 1, -1.0, [[1, 1, -1]]),
+      rollout('c', 2, 1.0, [[-1, -1, None]]),
+      rollout('c', 3, 1.0, [[-1, None, -1]]),
+  )
+  policy, _, stats = feedback.integrate(trajs, judgments, make_config())
+  std = math.sqrt((1 + 1 + 0 + 0) / 4)
+  assert as_table(policy) == pytest.approx({policy_key(0, 0): 1 / std,
+                                            policy_key(1, 0): -1 / std})
+  assert stats['feedback/policy_dropped_zero'] == 4
+  assert stats['feedback/policy_examples'] == 2
+
+
+def test_singleton_zero_raw_reward_is_dropped():
+  # A single rollout reaching step 1 with R = 1 + (-1) = 0: dropped in 'raw'.
+  trajs, judgments = build(rollout('a', 0, 1.0, [[1], [-1]]),
+                           rollout('a', 1, -1.0, [[1]]))
+  policy, _, stats = feedback.integrate(trajs, judgments, make_config())
+  assert set(as_table(policy)) == {policy_key(0, 0), policy_key(1, 0)}
+  assert stats['feedback/policy_singleton_steps'] == 1
+  assert stats['feedback/policy_dropped_zero'] == 1
+
+
+def test_bad_singleton_mode_raises():
+  trajs, judgments = build(rollout('a', 0, 1.0, [[1]]))
+  with pytest.raises(ValueError, match='singleton'):
+    feedback.integrate(trajs, judgments, make_config(singleton='keep'))
+
+
+def test_policy_band_filter_is_inclusive_and_exclude_is_honoured():
+  def group(task, successes, size, source='active'):
+    return [rollout(task, r, 1.0 if r < successes else -1.0,
+                    [[1 if r % 2 else -1]], source=source)
+            for r in range(size)]
+  trajs, judgments = build(
+      *group('low', 1, 8),  # acc 1/8: kept
+      *group('high', 7, 8),  # acc 7/8: kept
+      *group('none', 0, 8),  # acc 0: filtered
+      *group('all', 8, 8),  # acc 1: filtered
+      *group('low', 1, 8, source='pending'),  # rejected rewrite: excluded
+  )
+  policy, rm, stats = feedback.integrate(
+      trajs, judgments, make_config(), exclude={('low', 'pending')})
+  assert stats['feedback/policy_groups_used'] == 2
+  assert stats['feedback/policy_groups_filtered'] == 2
+  assert stats['feedback/policy_groups_excluded'] == 1
+  assert len(policy) == 16  # two groups x 8 rollouts, no zero advantages
+  # The RM band [0.2, 0.8] rejects 1/8 and 7/8; m = 1 has zero variance.
+  assert stats['feedback/rm_groups_used'] == 0
+  assert stats['feedback/rm_groups_filtered'] == 4
+  assert not rm
+  # OSWorld as launched: no policy filter.
+  _, _, stats = feedback.integrate(
+      trajs, judgments, make_config(policy_acc_low=0.0, policy_acc_high=1.0))
+  assert stats['feedback/policy_groups_used'] == 5
+
+
+def test_error_trajectories_are_left_out_of_everything():
+  good = [rollout('a', 0, 1.0, [[1, 1, 1]]),
+          rollout('a', 1, -1.0, [[-1, -1, 1]])]
+  broken = rollout('a', 2, 1.0, [[1, 1, 1], [1, 1, 1]], status=structs.ERROR)
+  with_error = feedback.integrate(*build(*good, broken), make_config())
+  without = feedback.integrate(*build(*good), make_config())
+  assert with_error[0] == without[0]
+  assert with_error[1] == without[1]
+  assert with_error[2]['feedback/error_trajectories'] == 1
+  assert with_error[2]['feedback/steps'] == 2
+  for example in with_error[0] + with_error[1]:
+    assert example.prompt_tokens[0] != 2
+
+
+def test_rm_consistency_table():
+  # Group 'r': 5 rollouts, 1 success -> acc 0.2 (inclusive edge of the band).
+  trajs, judgments = build(
+      rollout('r', 0, 1.0, [[1, -1, None], [1, 1, 1]]),
+      rollout('r', 1, -1.0, [[1, 1, -1], [None, None, None]]),
+      rollout('r', 2, -1.0, [[-1, -1, -1]]),
+      rollout('r', 3, -1.0, [[-1, -1, -1]]),
+      rollout('r', 4, -1.0, [[-1, -1, -1]]),
+  )
+  _, rm, stats = feedback.integrate(trajs, judgments, make_config())
+  # (0, 0): R = 1 + 0 = 1, raw = [1, -1, -2], mean -2/3.
+  std00 = math.sqrt(((5 / 3)**2 + (1 / 3)**2 + (4 / 3)**2) / 3)
+  # (1, 0): R = -1 + 1/3 = -2/3, raw = [-2/3, -2/3, 2/3], mean -2/9.
+  std10 = math.sqrt(((4 / 9)**2 * 2 + (8 / 9)**2) / 3)
+  assert as_table(rm) == pytest.approx({
+      rm_key(0, 0, 0): (5 / 3) / std00, rm_key(0, 0, 1): (-1 / 3) / std00,
+      rm_key(0, 0, 2): (-4 / 3) / std00,
+      rm_key(1, 0, 0): (-4 / 9) / std10, rm_key(1, 0, 1): (-4 / 9) / std10,
+      rm_key(1, 0, 2): (8 / 9) / std10,
+  })
+  # (0, 1) all +1, (1, 1) all unparsed (-2 each), (2..4, 0) all -1.
+  assert stats['feedback/rm_steps_zero_var'] == 5
+  assert stats['feedback/rm_penalties'] == 4
+  assert stats['feedback/parse_failures'] == 4
+  assert stats['feedback/rm_examples'] == 6
+
+
+def test_rm_penalty_and_zero_dropping():
+  # S = [1, -1, None], R = O = 1; penalty 0 -> raw [1, -1, 0] -> A_2 = 0.
+  trajs, judgments = build(rollout('r', 0, 1.0, [[1, -1, None]]),
+                           rollout('r', 1, -1.0, [[1, -1, 1]]))
+  _, rm, stats = feedback.integrate(trajs, judgments,
+                                    make_config(parse_penalty=0.0))
+  assert as_table(rm) == pytest.approx({
+      rm_key(0, 0, 0): 1 / math.sqrt(2 / 3),
+      rm_key(0, 0, 1): -1 / math.sqrt(2 / 3),
+      # R = -1 + 1/3 = -2/3, raw [-2/3, 2/3, -2/3], mean -2/9.
+      rm_key(1, 0, 0): (-4 / 9) / math.sqrt(96 / 243),
+      rm_key(1, 0, 1): (8 / 9) / math.sqrt(96 / 243),
+      rm_key(1, 0, 2): (-4 / 9) / math.sqrt(96 / 243),
+  })
+  assert stats['feedback/rm_dropped_zero'] == 1
+
+
+def test_rm_band_upper_edge_and_outside():
+  def group(task, successes, size):
+    return [rollout(task, r, 1.0 if r < successes else -1.0, [[1, -1]])
+            for r in range(size)]
+  trajs, judgments = build(*group('in', 4, 5), *group('out', 7, 8))
+  _, rm, stats = feedback.integrate(trajs, judgments, make_config())
+  assert stats['feedback/rm_groups_used'] == 1  # 0.8 kept, 7/8 filtered
+  assert stats['feedback/rm_groups_filtered'] == 1
+  assert len(rm) == 10 and all(abs(e.advantage) == 1.0 for e in rm)
+
+
+def test_examples_keep_tokens_and_advantages_aligned():
+  trajs, judgments = build(*[rollout(*spec) for spec in GROUP_A])
+  by_step = feedback.judgments_by_step(judgments)
+  rewards = feedback.step_rewards(trajs, by_step, 1.0)
+  policy, _, _ = feedback.integrate(trajs, judgments, make_config())
+  for example in policy:
+    r, k, tag = example.prompt_tokens
+    assert tag == 0 and example.response_tokens == [r, k, 1]
+    # The advantage has the sign of R minus its step mean: check the step.
+    same_step = [rewards[('a', 'active', t.rollout, k)] for t in trajs
+                 if len(t.steps) > k]
+    if len(same_step) > 1:
+      assert np.sign(example.advantage) == np.sign(
+          rewards[('a', 'active', r, k)] - np.mean(same_step))
+
+
+def test_rm_metrics():
+  trajs, judgments = build(
+      rollout('a', 0, 1.0, [[1, 1, -1], [1, None, 1]]),  # means 1/3, 2/3
+      rollout('a', 1, -1.0, [[1, 1, 1], [-1, -1, 1]]),  # means 1, -1/3
+      rollout('a', 2, -1.0, [[1, -1, None]]),  # mean 0: a wrong verdict
+      rollout('a', 3, 1.0, [[]]),  # unjudged: not counted
+      rollout('a', 4, 1.0, [[-1, -1, -1]], status=structs.ERROR),
+  )
+  metrics = feedback.rm_metrics(trajs, judgments)
+  # Outcome: rollout 0 mean +1/2 (right), 1 mean +1/3 (wrong), 2 mean 0.
+  assert metrics['rm/outcome_acc'] == pytest.approx(1 / 3)
+  assert metrics['rm/outcome_count'] == 3
+  # Process proxy (label = O), steps (rollout, k):
+  # (0,0) y, (0,1) y, (1,0) n, (1,1) y, (2,0) n.
+  assert metrics['rm/process_acc'] == pytest.approx(3 / 5)
+  assert metrics['rm/p_plus'] == pytest.approx(4 / 6)
+  assert metrics['rm/p_minus'] == pytest.approx(3 / 9)
+  assert metrics['rm/mu'] == pytest.approx(1.0)
+  assert metrics['judge/parse_fail_rate'] == pytest.approx(2 / 18)
+  labels = {('a', 'active', 0, 0): -1, ('a', 'active', 1, 1): -1}
+  metrics = feedback.rm_metrics(trajs, judgments, step_labels=labels)
+  assert metrics['rm/process_acc'] == pytest.approx(1 / 2)
+  assert metrics['rm/process_count'] == 2
+  assert math.isnan(feedback.rm_metrics([], [])['rm/outcome_acc'])
+
+
+def test_duplicate_rollouts_raise():
+  trajs, judgments = build(rollout('a', 0, 1.0, [[1]]),
+                           rollout('a', 0, -1.0, [[1]]))
+  with pytest.raises(ValueError, match='share'):
+    feedback.integrate(trajs, judgments, make_config())
