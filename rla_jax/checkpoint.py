@@ -37,13 +37,17 @@ def _shapes(tree) -> dict[str, tuple]:
 class Checkpointer:
   """Saves and restores {name: pytree} plus a JSON `meta` dict per epoch."""
 
-  def __init__(self, directory: str, keep: int):
+  def __init__(self, directory: str, keep: int, names=('policy',
+                                                        'reward_model')):
     self.directory = os.path.abspath(directory)
+    handlers = {name: ocp.StandardCheckpointHandler() for name in names}
+    handlers['meta'] = ocp.JsonCheckpointHandler()
     self._manager = ocp.CheckpointManager(
-        self.directory,
+        self.directory, item_handlers=handlers,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
   def latest_epoch(self) -> int | None:
+    self._manager.reload()  # another process may have written since
     return self._manager.latest_step()
 
   def save(self, epoch: int, trees: dict[str, Any], meta: dict[str, Any]):
