@@ -128,6 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
       alpha_high=0.8,  # acc >= alpha_high -> harder
       rewrite_attempts=8,  # env-LLM proposals per rewrite
       pending_max_tries=2,  # epochs a rewrite may go unmeasured
+      answer_prefix='',  # pre-fills the env LLM's answers (small models)
       sampling=sampling_section(max_new_tokens=8192, max_prompt_len=8192),
   )
   config.optim = dict(policy=optim_section(), reward_model=optim_section())
@@ -147,6 +148,7 @@ def get_config() -> ml_collections.ConfigDict:
       checkpoint_every=1,
       keep_checkpoints=3,
       env_threads=8,  # concurrent environment steps on the host
+      compilation_cache_dir='~/.cache/rla_jax/xla',  # '' = no persistent cache
   )
   return config
 

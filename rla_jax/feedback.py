@@ -124,14 +124,8 @@ def policy_examples(
   stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
                          'singleton_steps', 'dropped_zero'), 0)
   examples = []
-  for group, trajs in _by_group(_ok(trajectories)).items():
-    if group in exclude:
-      stats['groups_excluded'] += 1
-      continue
-    if not in_band(accuracy[group].accuracy, acc_low, acc_high):
-      stats['groups_filtered'] += 1
-      continue
-    stats['groups_used'] += 1
+  for trajs in _usable_groups(trajectories, accuracy, acc_low, acc_high,
+                              exclude, stats):
     for k in range(max(len(t.steps) for t in trajs)):
       reach = [t for t in trajs if len(t.steps) > k]
       values = [rewards[(t.task_id, t.source, t.rollout, k)] for t in reach]
@@ -140,14 +134,8 @@ def policy_examples(
         advantages = values if singleton == 'raw' else [0.0]
       else:
         advantages = zscore(values, eps)
-      for traj, advantage in zip(reach, advantages):
-        if abs(advantage) <= eps:
-          stats['dropped_zero'] += 1
-          continue
-        step = traj.steps[k]
-        examples.append(structs.Example(list(step.prompt_tokens),
-                                        list(step.response_tokens),
-                                        float(advantage)))
+      _keep_nonzero([t.steps[k] for t in reach], advantages, eps, examples,
+                    stats)
   stats['examples'] = len(examples)
   return examples, stats
 
@@ -175,14 +163,8 @@ def rm_examples(
   stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
                          'steps_zero_var', 'penalties', 'dropped_zero'), 0)
   examples = []
-  for group, trajs in _by_group(_ok(trajectories)).items():
-    if group in exclude:
-      stats['groups_excluded'] += 1
-      continue
-    if not in_band(accuracy[group].accuracy, acc_low, acc_high):
-      stats['groups_filtered'] += 1
-      continue
-    stats['groups_used'] += 1
+  for trajs in _usable_groups(trajectories, accuracy, acc_low, acc_high,
+                              exclude, stats):
     for traj in trajs:
       for k in range(len(traj.steps)):
         key = (traj.task_id, traj.source, traj.rollout, k)
@@ -194,13 +176,7 @@ def rm_examples(
         if np.std(raw) <= eps:
           stats['steps_zero_var'] += 1
           continue
-        for judgment, advantage in zip(samples, zscore(raw, eps)):
-          if abs(advantage) <= eps:
-            stats['dropped_zero'] += 1
-            continue
-          examples.append(structs.Example(list(judgment.prompt_tokens),
-                                          list(judgment.response_tokens),
-                                          float(advantage)))
+        _keep_nonzero(samples, zscore(raw, eps), eps, examples, stats)
   stats['examples'] = len(examples)
   return examples, stats
 
@@ -305,6 +281,30 @@ def rm_metrics(
       'rm/mu': p_plus + p_minus,
       'judge/parse_fail_rate': _mean(not j.parsed for j in judgments),
   }
+
+
+def _keep_nonzero(sources, advantages, eps, examples, stats):
+  """Appends an Example per (Step or Judgment, A) with |A| > eps."""
+  for source, advantage in zip(sources, advantages):
+    if abs(advantage) <= eps:
+      stats['dropped_zero'] += 1
+    else:
+      examples.append(structs.Example(list(source.prompt_tokens),
+                                      list(source.response_tokens),
+                                      float(advantage)))
+
+
+def _usable_groups(trajectories, accuracy, acc_low, acc_high, exclude,
+                   stats):
+  """Rollouts of each group not excluded and with accuracy in the band."""
+  for group, trajs in _by_group(_ok(trajectories)).items():
+    if group in exclude:
+      stats['groups_excluded'] += 1
+    elif not in_band(accuracy[group].accuracy, acc_low, acc_high):
+      stats['groups_filtered'] += 1
+    else:
+      stats['groups_used'] += 1
+      yield trajs
 
 
 def _ok(trajectories: Iterable[structs.Trajectory]):

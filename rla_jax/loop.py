@@ -85,10 +85,16 @@ def _sample_fn(run: Run, name: str, sampling):
 
 
 def _generate_fn(run: Run, seed: int):
-  """The environment LLM as text -> text (critiques, rewrite proposals)."""
+  """The environment LLM as text -> text (critiques, rewrite proposals).
+
+  `curator.answer_prefix` pre-fills each answer (small models then answer in
+  the asked format); the returned text includes it.
+  """
   sample = _sample_fn(run, 'env_model', run.config.curator.sampling)
-  return lambda prompts: [c.text for c in sample(
-      [[{'role': 'user', 'content': p}] for p in prompts], seed)]
+  prefix = run.config.curator.answer_prefix
+  tail = [{'role': 'assistant', 'content': prefix}] if prefix else []
+  return lambda prompts: [prefix + c.text for c in sample(
+      [[{'role': 'user', 'content': p}, *tail] for p in prompts], seed)]
 
 
 class _Timer:
@@ -341,6 +347,11 @@ def run(config, workdir: str) -> dict[str, float]:
   """Trains for config.loop.num_epochs epochs (resuming if possible)."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
+  if config.loop.compilation_cache_dir:
+    # Restarts and later runs reuse compiled programs instead of recompiling.
+    jax.config.update('jax_compilation_cache_dir',
+                      os.path.expanduser(config.loop.compilation_cache_dir))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
   state = _setup(config, workdir)
   if state.chief:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:

@@ -261,7 +261,7 @@ def _plan_rows(prompts, session, max_new_tokens, prompt_buckets,
 def _finish(tokens, logprobs, num, prompts, g, stop_ids, stop_strings,
             tokenizer):
   """Host-side rows; also {row: tokens kept} for rows cut at a stop string."""
-  tokens, logprobs, num = jax.device_get((tokens, logprobs, num))
+  tokens, logprobs, num = map(sharding.to_host, (tokens, logprobs, num))
   out = Output([], [], [], [])
   cuts = {}
   for r in range(len(prompts) * g):

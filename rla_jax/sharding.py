@@ -160,5 +160,14 @@ def param_shardings(abstract_state, mesh: Mesh, rules: tuple = DEFAULT_RULES):
                    is_leaf=_is_variable))
 
 
+def to_host(x) -> np.ndarray:
+  """The whole array on this host, also when other processes hold shards."""
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable
+                                       or x.is_fully_replicated):
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())

@@ -27,6 +27,11 @@ from rla_jax.envs import base
 KNOBS = ('nb_rooms', 'nb_objects', 'quest_length')
 # Bump when generation changes, so cached games of the old scheme are not used.
 _GEN_VERSION = 1
+# TextWorld parses its logic and grammar files with a tatsu parser that is
+# not thread-safe (concurrent textworld.start raised IndexError/FailedToken
+# in tatsu), so generation, compilation and loading take this lock; stepping
+# a loaded game does not.
+_TEXTWORLD_LOCK = threading.RLock()
 _ACTIONS_HEADER = 'Admissible actions:'
 _BOXED = re.compile(r'\\boxed\{([^{}]*)(?:\}|$)')
 _NUMBERED = re.compile(r'^(\d+)\. (.+)$')
@@ -171,8 +176,9 @@ class TextWorldEpisode:
                                objective=True, description=True,
                                feedback=True)
     self.close()
-    self._env = textworld.start(self._path, request_infos=infos)
-    state = self._env.reset()
+    with _TEXTWORLD_LOCK:
+      self._env = textworld.start(self._path, request_infos=infos)
+      state = self._env.reset()
     self._turn, self._done = 0, False
     return render_observation(clean_text(state.description),
                               state.admissible_commands)
@@ -255,8 +261,6 @@ class TextWorldEnv:
     self._lock = threading.Lock()  # guards the two dicts below
     self._games: dict[str, dict[str, Any]] = {}
     self._key_locks: dict[str, threading.Lock] = {}
-    # TextWorld's generator keeps process-wide state; compiling does not.
-    self._make_lock = threading.Lock()
 
   # Tasks and games.
 
@@ -316,7 +320,7 @@ class TextWorldEnv:
       options.quest_length = quest
       options.seeds = (int(spec['seed']) + 1_000_003 * attempt) % 2**32
       try:
-        with self._make_lock:
+        with _TEXTWORLD_LOCK:
           game = textworld.generator.make_game(options)
           walkthrough = game.walkthrough or []
       except Exception as e:  # pylint: disable=broad-except
@@ -336,7 +340,8 @@ class TextWorldEnv:
     try:
       options.path = os.path.join(tmp, 'game.z8')
       try:
-        textworld.generator.compile_game(game, options)
+        with _TEXTWORLD_LOCK:
+          textworld.generator.compile_game(game, options)
       except Exception as e:  # pylint: disable=broad-except
         raise GenerationError(f'compile failed: {e}') from e
       for ext in ('.z8', '.json'):

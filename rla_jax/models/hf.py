@@ -339,13 +339,6 @@ def from_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
   return nnx.merge(graphdef, params)
 
 
-def _host(x: jax.Array) -> np.ndarray:
-  if not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(jax.device_get(x))
-
-
 def save(model: transformer.Transformer, path: str, tokenizer=None, *,
          max_shard_bytes: int = 2 << 30):
   """Writes a folder that transformers' from_pretrained loads."""
@@ -353,7 +346,8 @@ def save(model: transformer.Transformer, path: str, tokenizer=None, *,
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   config = model.config
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  tensors = {name: np.ascontiguousarray(to_hf(_host(_get_path(state, p))))
+  tensors = {name: np.ascontiguousarray(
+                 to_hf(sharding.to_host(_get_path(state, p))))
              for p, name, _, to_hf in _param_table(config)}
   if jax.process_index() != 0:
     return

