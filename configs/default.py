@@ -19,13 +19,13 @@ def get_config(arg: str = 'full'):
   config.env = dict(
       name='textworld',  # rla_jax/envs/textworld.py
       game_dir='',  # '' = <workdir>/games
-      max_turns=5,
+      max_turns=6,
       num_train=16,
       num_eval=8,
       seed=0,
-      nb_rooms=(1, 2),  # small games: a 135M policy wins some of them
-      nb_objects=(2, 4),
-      quest_length=(1, 2),
+      nb_rooms=(1, 2),  # one-step quests at first: a 135M policy wins some;
+      nb_objects=(2, 5),  # the curator makes them longer as it learns
+      quest_length=(1, 1),
       max_knobs=(6, 12, 6),  # rewrite bounds: rooms, objects, quest length
       max_history=1,  # earlier turns shown to the policy (prompt cost)
       answer_format='text',  # SmolLM2 names actions better than indices
@@ -42,8 +42,10 @@ def get_config(arg: str = 'full'):
                  max_rows=32, max_prompt_len=1024)
   config.rollout.num_tasks = 3
   config.rollout.group_size = 4
-  config.rollout.sampling.update(max_new_tokens=12, stop_strings=('}',),
-                                 **buckets)
+  # SmolLM2 favours the first listed action; sampling at temperature 1
+  # explores enough for some rollouts of each task to win.
+  config.rollout.sampling.update(temperature=1.0, top_p=1.0, max_new_tokens=12,
+                                 stop_strings=('}',), **buckets)
   config.judge.num_samples = 2
   config.judge.sampling.update(max_new_tokens=3, stop_strings=('}',),
                                **buckets)

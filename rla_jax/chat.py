@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from rla_jax import metrics
 from rla_jax import sampler
 
 
@@ -74,7 +75,8 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
   per_call = max(1, sampling.max_rows // num_samples)
   kwargs = {} if rules is None else {'rules': rules}
   results = []
-  for start in range(0, len(prompts), per_call):
+  for start in metrics.progress(range(0, len(prompts), per_call),
+                                desc=f'sampling {len(prompts)} prompts'):
     chunk = prompt_ids[start:start + per_call]
     out = sampler.generate(
         model, chunk, sampling.max_new_tokens,

@@ -64,7 +64,10 @@ class Checkpointer:
             f'{self.directory}/{epoch}: checkpoint has no {name!r} state; '
             'it was written by a run with a different config')
       have = _shapes(stored[name])
-      for key, shape in _shapes(target).items():
+      want = _shapes(target)
+      # Parameters first: their names say most about what differs.
+      for key in sorted(want, key=lambda k: not k.startswith('params.')):
+        shape = want[key]
         if key not in have:
           raise ConfigMismatchError(
               f'{self.directory}/{epoch}: {name}.{key} is not in the '

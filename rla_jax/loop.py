@@ -221,6 +221,12 @@ def _log_samples(run: Run, epoch: int, trajs, judgments, accuracy):
     if t.status == structs.ERROR:
       writer.text(epoch, 'rollout/error', f'{t.task_id}: {t.error}')
       break
+  for task in run.pool:
+    if task.pending is not None and task.pending.epoch == epoch:
+      writer.text(epoch, 'curator/rewrites', json.dumps(
+          {'task_id': task.task_id, 'direction': task.pending.direction,
+           'acc_old': task.pending.acc_old, 'from': task.active,
+           'to': task.pending.spec, 'critiques': task.pending.critiques}))
 
 
 def _evaluate(run: Run, epoch: int) -> dict[str, float]:

@@ -62,11 +62,14 @@ class Writer:
       self._jsonl.close()
 
 
-def progress(iterable=None, *, total=None, desc: str, enabled: bool = True):
-  """A tqdm bar on stderr (quiet when not a terminal unless forced)."""
+def progress(iterable, *, total=None, desc: str):
+  """A tqdm bar on stderr for a long stage; silent when stderr is no terminal
+  (logs and CI) and on processes other than 0."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  return tqdm(iterable, total=total, desc=desc, disable=not enabled,
-              leave=False, file=sys.stderr, dynamic_ncols=True)
+  import jax  # pylint: disable=g-import-not-at-top
+  quiet = None if jax.process_index() == 0 else True
+  return tqdm(iterable, total=total, desc=desc, disable=quiet, leave=False,
+              file=sys.stderr, dynamic_ncols=True)
 
 
 def summary_line(epoch: int, values: Mapping[str, float],

@@ -15,6 +15,7 @@ from concurrent import futures
 from typing import Any
 
 from rla_jax import chat
+from rla_jax import metrics
 from rla_jax import structs
 
 # (task_id, spec, source) as handed out by the curator.
@@ -56,7 +57,7 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
       _fail(trajs[i], exc)
 
   turns: list[list[tuple[str, str]]] = [[] for _ in trajs]
-  for turn in range(max_turns):
+  for turn in metrics.progress(range(max_turns), desc='rollout turns'):
     if not live:
       break
     messages = [env.policy_messages(trajs[i].spec, turns[i], observations[i])

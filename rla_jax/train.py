@@ -25,6 +25,7 @@ from flax import nnx
 
 from rla_jax import batching
 from rla_jax import losses
+from rla_jax import metrics as metrics_lib
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax.models import transformer
@@ -462,7 +463,8 @@ def update(trainer: Trainer, state: TrainState,
   batches = _batches(trainer, state, _steps(c, kept, epoch), ref_params)
   first_step = int(state.step)
   per_step = []
-  for i, batch in enumerate(batches):
+  for i, batch in enumerate(metrics_lib.progress(
+      batches, desc=f'{trainer.kind} updates')):
     state, metrics = trainer.step(state, batch)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not (np.isfinite(metrics['loss']) and np.isfinite(metrics['grad_norm'])):

@@ -124,6 +124,18 @@ def test_sigkill_mid_epoch_resumes_with_same_pool_and_step(tmp_path):
   assert ckpt.latest_epoch() == 2
 
 
+def test_checkpoint_of_another_config_fails_clearly(two_epochs):
+  workdir, _, _ = two_epochs
+  config = tiny.get_config()
+  config.loop.num_epochs = 4
+  config.policy.random.intermediate_size = 96
+  with pytest.raises(checkpoint.ConfigMismatchError,
+                     match=r'policy\.params\.layers\.0\.mlp\.w_down has shape '
+                     r'\(128, 64\) in the checkpoint but the config builds '
+                     r'\(96, 64\)'):
+    loop.run(config, workdir)
+
+
 def test_malformed_config_key_is_named(tmp_path):
   proc = _main(str(tmp_path), '--config.rollout.temprature=0.5')
   out, _ = proc.communicate(timeout=120)
