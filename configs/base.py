@@ -81,7 +81,8 @@ def train_section(**overrides) -> ml_collections.ConfigDict:
       compute_entropy=True,  # report the policy entropy (~4% of a step)
       aggregation='sequence',  # 'sequence' (paper) | 'token'
       head_chunk=512,  # tokens per chunk of the output head (memory)
-      remat=False,
+      remat=False,  # recompute each block in the backward pass (GPU/TPU;
+                    # XLA:CPU drops the barrier and keeps activations)
       shuffle=True,  # seeded grain shuffle before splitting into steps
                      # (the authors don't shuffle)
       seed=0,

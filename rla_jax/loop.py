@@ -378,7 +378,10 @@ def run(config, workdir: str) -> dict[str, float]:
   last: dict[str, float] = {}
   with sharding.use(state.mesh, state.rules):
     if first == 1 and config.eval.every:
-      state.writer.scalars(0, _evaluate(state, 0))
+      values = _evaluate(state, 0)
+      if state.chief:
+        state.writer.scalars(0, values)
+        print(metrics.summary_line(0, values, SUMMARY_KEYS), flush=True)
     for epoch in range(first, config.loop.num_epochs + 1):
       values = _epoch(state, epoch)
       state.pool = _broadcast_pool(state.pool)

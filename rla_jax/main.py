@@ -10,6 +10,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -38,6 +39,9 @@ def _initialize_distributed():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    # orbax logs every save at INFO; `-v 0` brings it back.
+    logging.set_verbosity(logging.WARNING)
   if _DISTRIBUTED.value:
     _initialize_distributed()
   # Imported here so `--help` and flag errors are instant.
