@@ -94,12 +94,3 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
         logging.exception('episode.close() failed')
   return trajs
 
-
-def accuracy_by_group(trajs: Sequence[structs.Trajectory]
-                      ) -> dict[tuple[str, str], float]:
-  """Success rate of each (task_id, source) over its non-error rollouts."""
-  wins: dict[tuple[str, str], list[float]] = {}
-  for t in trajs:
-    if t.status == structs.OK:
-      wins.setdefault(t.group, []).append(float(t.outcome > 0))
-  return {g: sum(v) / len(v) for g, v in wins.items()}

@@ -303,12 +303,6 @@ def _next_session(cache, whole, out, g, cuts, last_slot):
   return Session(cache, conversations)
 
 
-def _put(x, mesh, rules, axes):
-  if mesh is None:
-    return jnp.asarray(x)
-  return jax.device_put(x, sharding.named(mesh, axes, x.shape, rules))
-
-
 def generate(model: transformer.Transformer,
              prompts: Sequence[Sequence[int] | None],
              max_new_tokens: int, *,
