@@ -72,6 +72,7 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
   if any(a is None or a == tokenizer.unk_token_id for a in allowed):
     raise ValueError(f'allowed_tokens={tuple(sampling.allowed_tokens)}: each '
                      'must be one token of the tokenizer')
+  stop_ids = stop_token_ids(tokenizer)
   per_call = max(1, sampling.max_rows // num_samples)
   kwargs = {} if rules is None else {'rules': rules}
   results = []
@@ -81,7 +82,7 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
     out = sampler.generate(
         model, chunk, sampling.max_new_tokens,
         temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k, stop_token_ids=stop_token_ids(tokenizer),
+        top_k=sampling.top_k, stop_token_ids=stop_ids,
         allowed_token_ids=tuple(allowed),
         seed=(seed * 100_003 + start) % 2**32, num_samples=num_samples,
         stop_strings=tuple(sampling.stop_strings), tokenizer=tokenizer,

@@ -17,6 +17,7 @@ from absl import logging
 import numpy as np
 
 from rla_jax import boxed
+from rla_jax import feedback
 from rla_jax import structs
 from rla_jax.envs import base
 
@@ -188,9 +189,8 @@ def high_risk_steps(traj: structs.Trajectory,
   """Indices of the steps of `traj` whose judgments all scored -1."""
   scores = {}
   for j in judgments:
-    if (j.task_id, j.source, j.rollout) == (traj.task_id, traj.source,
-                                             traj.rollout):
-      scores.setdefault(j.step, []).append(j.score if j.parsed else 0)
+    if j.step_key == traj.step_key(j.step):
+      scores.setdefault(j.step, []).append(feedback.score(j))
   return sorted(k for k, s in scores.items() if s and all(x == -1 for x in s))
 
 

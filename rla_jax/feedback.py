@@ -61,8 +61,7 @@ def judgments_by_step(
   """Judgments grouped by the policy step they score, ordered by sample."""
   index = {}
   for judgment in judgments:
-    key = (judgment.task_id, judgment.source, judgment.rollout, judgment.step)
-    index.setdefault(key, []).append(judgment)
+    index.setdefault(judgment.step_key, []).append(judgment)
   for samples in index.values():
     samples.sort(key=lambda j: j.sample)
   return index
@@ -85,7 +84,7 @@ def step_rewards(trajectories: Iterable[structs.Trajectory],
   rewards = {}
   for traj in _ok(trajectories):
     for k in range(len(traj.steps)):
-      key = (traj.task_id, traj.source, traj.rollout, k)
+      key = traj.step_key(k)
       rewards[key] = traj.outcome + lam * step_score(by_step.get(key, ()))
   return rewards
 
@@ -128,7 +127,7 @@ def policy_examples(
                               exclude, stats):
     for k in range(max(len(t.steps) for t in trajs)):
       reach = [t for t in trajs if len(t.steps) > k]
-      values = [rewards[(t.task_id, t.source, t.rollout, k)] for t in reach]
+      values = [rewards[t.step_key(k)] for t in reach]
       if len(reach) == 1:
         stats['singleton_steps'] += 1
         advantages = values if singleton == 'raw' else [0.0]
@@ -167,7 +166,7 @@ def rm_examples(
                               exclude, stats):
     for traj in trajs:
       for k in range(len(traj.steps)):
-        key = (traj.task_id, traj.source, traj.rollout, k)
+        key = traj.step_key(k)
         samples = by_step.get(key, ())
         if not samples:
           continue
@@ -253,7 +252,7 @@ def rm_metrics(
   for traj in _ok(trajectories):
     step_means = []
     for k in range(len(traj.steps)):
-      key = (traj.task_id, traj.source, traj.rollout, k)
+      key = traj.step_key(k)
       samples = by_step.get(key, ())
       if not samples:
         continue

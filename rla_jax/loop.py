@@ -111,13 +111,18 @@ class _Timer:
     self.values[f'time/{stage}_s'] = time.perf_counter() - start
 
 
+def _win_rate(ok_trajs) -> float:
+  """Fraction of (non-error) rollouts that succeeded; NaN when none."""
+  return (float(np.mean([t.outcome > 0 for t in ok_trajs])) if ok_trajs
+          else float('nan'))
+
+
 def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
   ok = [t for t in trajs if t.status == structs.OK]
   steps = [s for t in ok for s in t.steps]
   measured = [a.accuracy for a in accuracy.values() if a.accuracy is not None]
   return {
-      'rollout/accuracy': float(np.mean([t.outcome > 0 for t in ok]))
-                          if ok else float('nan'),
+      'rollout/accuracy': _win_rate(ok),
       'rollout/task_accuracy_mean': float(np.mean(measured))
                                     if measured else float('nan'),
       'rollout/trajectories': len(trajs),
@@ -242,8 +247,7 @@ def _evaluate(run: Run, epoch: int) -> dict[str, float]:
       pool=run.executor, seed=_seed(config, epoch, 9),
       max_turns=run.env.max_turns)
   ok = [t for t in trajs if t.status == structs.OK]
-  return {'eval/accuracy': float(np.mean([t.outcome > 0 for t in ok]))
-                           if ok else float('nan'),
+  return {'eval/accuracy': _win_rate(ok),
           'eval/errors': len(trajs) - len(ok),
           'time/eval_s': time.perf_counter() - start}
 
@@ -349,6 +353,14 @@ def _restore(run: Run, ckpt: checkpoint.Checkpointer, epoch: int):
   run.order.set_state(meta['task_order'])
 
 
+def _report(run: Run, epoch: int, values: dict[str, float]):
+  """Epoch scalars to TensorBoard/JSONL and the summary line (process 0)."""
+  if run.chief:
+    run.writer.scalars(epoch, values)
+    run.writer.flush()
+    print(metrics.summary_line(epoch, values, SUMMARY_KEYS), flush=True)
+
+
 def run(config, workdir: str) -> dict[str, float]:
   """Trains for config.loop.num_epochs epochs (resuming if possible)."""
   validate(config)
@@ -378,10 +390,7 @@ def run(config, workdir: str) -> dict[str, float]:
   last: dict[str, float] = {}
   with sharding.use(state.mesh, state.rules):
     if first == 1 and config.eval.every:
-      values = _evaluate(state, 0)
-      if state.chief:
-        state.writer.scalars(0, values)
-        print(metrics.summary_line(0, values, SUMMARY_KEYS), flush=True)
+      _report(state, 0, _evaluate(state, 0))
     for epoch in range(first, config.loop.num_epochs + 1):
       values = _epoch(state, epoch)
       state.pool = _broadcast_pool(state.pool)
@@ -392,9 +401,7 @@ def run(config, workdir: str) -> dict[str, float]:
         _save(state, ckpt, epoch)
       if state.chief:
         curator.save_jsonl(state.pool, os.path.join(workdir, 'pool.jsonl'))
-        state.writer.scalars(epoch, values)
-        state.writer.flush()
-        print(metrics.summary_line(epoch, values, SUMMARY_KEYS), flush=True)
+      _report(state, epoch, values)
       last = values
   ckpt.close()
   state.writer.close()

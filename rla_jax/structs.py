@@ -73,6 +73,10 @@ class Trajectory:
     """Rollouts of the same task version share a group (for advantages)."""
     return (self.task_id, self.source)
 
+  def step_key(self, k: int) -> tuple[str, str, int, int]:
+    """(task_id, source, rollout, k): names step k and its judgments."""
+    return (self.task_id, self.source, self.rollout, k)
+
 
 @dataclasses.dataclass
 class Judgment:
@@ -94,6 +98,11 @@ class Judgment:
   @property
   def group(self) -> tuple[str, str]:
     return (self.task_id, self.source)
+
+  @property
+  def step_key(self) -> tuple[str, str, int, int]:
+    """The `Trajectory.step_key` of the step this judgment scores."""
+    return (self.task_id, self.source, self.rollout, self.step)
 
 
 @dataclasses.dataclass
