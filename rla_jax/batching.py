@@ -134,6 +134,3 @@ def pack(examples: Sequence[structs.Example], *, micro_batch_size: int,
                advantages_MxB=shape(advantages), old_logp_MxBxR=zeros,
                ref_logp_MxBxR=zeros)
 
-
-def count_tokens(batch: Batch) -> int:
-  return int(np.sum(np.asarray(batch.response_mask_MxBxR)))
