@@ -24,6 +24,14 @@ def model_section(path: str = '') -> ml_collections.ConfigDict:
   ))
 
 
+# The authors' vLLM stop strings for the text settings (RLANYTHING.md 2.2).
+# They drop the stop string and never train an EOS; we keep the stop token
+# (or string) in the response and train it, so the policy learns to end its
+# turn (the sampler's stop_token_ids come from the tokenizer).
+AUTHORS_STOP_STRINGS = ('</answer>', 'User:', 'Human:', 'Assistant:',
+                        '<|im_end|>', '<|endoftext|>')
+
+
 def sampling_section(**overrides) -> ml_collections.ConfigDict:
   """Arguments of rla_jax.chat.complete / rla_jax.sampler.generate."""
   section = dict(
@@ -31,8 +39,11 @@ def sampling_section(**overrides) -> ml_collections.ConfigDict:
       top_p=0.95,
       top_k=0,  # 0 = off
       max_new_tokens=2000,
-      max_prompt_len=2048,  # longer prompts keep their last tokens
-      stop_strings=(),
+      max_prompt_len=2048,  # longer prompts lose the middle of their
+                            # history (rla_jax/truncation.py), counted in
+                            # <stage>/prompt_cut_frac
+      stop_strings=AUTHORS_STOP_STRINGS,  # the response ends at the first;
+                                          # it stays in the trained tokens
       allowed_tokens=(),  # constrained decoding: only these tokens (strings)
       prompt_buckets=(64, 128, 256, 512, 1024, 2048),  # padded prompt lengths
       batch_buckets=(8, 16, 32, 64, 128, 256),  # padded batch sizes
@@ -68,14 +79,20 @@ def train_section(**overrides) -> ml_collections.ConfigDict:
       global_batch_size=0,  # sequences per optimizer step; 0 = split the
                             # epoch's data into updates_per_epoch steps
       micro_batch_size=8,  # sequences per micro-batch (gradient accumulation)
-      max_prompt_len=2048,
-      max_response_len=2048,  # longer responses are truncated
+      max_prompt_len=0,  # 0 = the sampler's (rollout / judge max_prompt_len)
+      max_response_len=0,  # 0 = the sampler's max_new_tokens; longer
+                           # responses are truncated
       overlong_prompt='truncate',  # 'truncate' (keep the end) | 'drop'; the
                                    # triple stays aligned either way (B1)
       prompt_buckets=(256, 512, 1024, 2048),  # padded prompt lengths
       response_buckets=(64, 256, 1024, 2048),  # padded response lengths
       clip_eps=0.2,
-      kl_coef=0.01,  # k3 KL against the pre-update log-probs
+      kl_coef=0.01,  # k3 KL against kl_reference
+      kl_reference='pi_old',  # 'pi_old' (the authors: the pre-update weights
+                              # of each epoch) | 'initial' (a frozen copy of
+                              # the starting weights; one more model copy)
+      logprob_gap_warn=0.05,  # warn when mean |sampler - trainer| log-prob
+                              # over response tokens exceeds this
       log_ratio_clamp=10.0,
       entropy_coef=0.0,
       compute_entropy=True,  # report the policy entropy (~4% of a step)
@@ -118,7 +135,10 @@ def get_config() -> ml_collections.ConfigDict:
       eps=1e-8,  # std below this -> advantage 0
       singleton='zero',  # one rollout at a step index: 'zero' | 'raw' (B11)
       parse_penalty=-2.0,  # RM reward for an unparseable score
-      policy_acc_low=0.125,  # policy data only from tasks in this band
+      policy_filter='mixed',  # policy data only from groups where 'mixed':
+                              # some but not all rollouts won (any G) |
+                              # 'band': accuracy in [low, high] below
+      policy_acc_low=0.125,
       policy_acc_high=0.875,
       rm_acc_low=0.2,  # RM data only from tasks in this band
       rm_acc_high=0.8,
@@ -128,19 +148,27 @@ def get_config() -> ml_collections.ConfigDict:
       alpha_low=0.2,  # acc <= alpha_low -> easier
       alpha_high=0.8,  # acc >= alpha_high -> harder
       rewrite_attempts=8,  # env-LLM proposals per rewrite
-      pending_max_tries=2,  # epochs a rewrite may go unmeasured
+      pending_max_tries=2,  # epochs a rewrite may go unmeasured (its
+                            # rollouts all errored) before it is dropped
+      critique_max_chars=300,  # agent response / RM rationale per high-risk
+                               # step shown in a critique prompt
       answer_prefix='',  # pre-fills the env LLM's answers (small models)
       sampling=sampling_section(max_new_tokens=8192, max_prompt_len=8192),
   )
   config.optim = dict(policy=optim_section(), reward_model=optim_section())
   config.train = dict(policy=train_section(),
                       reward_model=train_section(
-                          max_response_len=4096,
+                          prompt_buckets=(256, 512, 1024, 2048, 4096),
                           response_buckets=(64, 256, 1024, 4096)))
   config.eval = dict(
       every=5,  # epochs between evaluations (0 = never); also before/after
-      num_tasks=32,  # held-out tasks
+      splits=('eval',),  # evaluation splits of the environment, each logged
+                         # as eval/<split>/...
+      num_tasks=32,  # held-out tasks per split
       group_size=1,
+      max_turns=60,  # turn budget of an evaluation episode (AlfWorld: 60
+                     # vs 40 in training)
+      judge=True,  # the RM judges evaluation rollouts: eval/<split>/rm_*
       sampling=sampling_section(),
   )
   config.loop = dict(

@@ -49,7 +49,8 @@ def get_config(arg: str = 'full'):
   # With 4 rollouts a task is often all-won or all-lost; as in the authors'
   # OSWorld run, keep such groups for the policy (the RM's step scores still
   # separate their steps). RM data keeps the 0.2-0.8 band (Theorem 2).
-  config.feedback.update(policy_acc_low=0.0, policy_acc_high=1.0)
+  config.feedback.update(policy_filter='band', policy_acc_low=0.0,
+                         policy_acc_high=1.0)
   config.judge.num_samples = 2
   config.judge.sampling.update(max_new_tokens=3, stop_strings=('}',),
                                **buckets)
@@ -68,7 +69,7 @@ def get_config(arg: str = 'full'):
         updates_per_epoch=2, micro_batch_size=1, max_prompt_len=1024,
         max_response_len=16, prompt_buckets=(256, 512, 1024),
         response_buckets=(16,), head_chunk=64, remat=False)
-  config.eval.update(every=2, num_tasks=8, group_size=1)
+  config.eval.update(every=2, num_tasks=8, group_size=1, max_turns=6)
   config.eval.sampling.update(temperature=0.0, max_new_tokens=12,
                               stop_strings=('}',), **buckets)
   config.loop.update(num_epochs=2, keep_checkpoints=2, env_threads=4)

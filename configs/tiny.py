@@ -48,7 +48,7 @@ def get_config(arg: str = 'full'):
                               max_prompt_len=256, max_response_len=8,
                               prompt_buckets=(64, 128, 256),
                               response_buckets=(8,), head_chunk=64)
-  config.eval.update(every=2, num_tasks=4, group_size=2)
+  config.eval.update(every=2, num_tasks=4, group_size=2, max_turns=4)
   config.eval.sampling.update(temperature=1.0, top_p=1.0, max_new_tokens=4,
                               **small)
   config.loop.update(num_epochs=3, keep_checkpoints=2, env_threads=4)

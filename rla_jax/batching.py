@@ -12,6 +12,7 @@ micro-batches are skipped on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -63,6 +64,7 @@ def select(examples: Sequence[structs.Example], *, max_prompt_len: int,
                        f'{example.advantage}')
     prompt = list(example.prompt_tokens)
     response = list(example.response_tokens)[:max_response_len]
+    logprobs = list(example.logprobs)[:max_response_len]
     if len(prompt) > max_prompt_len:
       if overlong_prompt == DROP:
         dropped += 1
@@ -71,7 +73,10 @@ def select(examples: Sequence[structs.Example], *, max_prompt_len: int,
     if not prompt or not response:
       dropped += 1
       continue
-    kept.append(structs.Example(prompt, response, float(example.advantage)))
+    kept.append(dataclasses.replace(example, prompt_tokens=prompt,
+                                    response_tokens=response,
+                                    logprobs=logprobs,
+                                    advantage=float(example.advantage)))
   return kept, dropped
 
 

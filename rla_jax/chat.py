@@ -1,7 +1,9 @@
 """Chat messages -> prompt token ids -> sampled completions as text.
 
 The one place where text meets the sampler: policy turns, RM judgments,
-critiques and rewrite proposals all go through `complete`.
+critiques and rewrite proposals all go through `complete`. Over-long prompts
+are shortened by `truncation.encode` (they lose their history, not their
+head) and every cut is reported in `Completion.prompt_cut`.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ from collections.abc import Sequence
 
 from rla_jax import metrics
 from rla_jax import sampler
+from rla_jax import truncation
 
 
 @dataclasses.dataclass
 class Completion:
-  prompt: str  # rendered prompt text, including any answer prefix
-  prompt_tokens: list[int]  # exactly what the sampler saw (left-truncated)
+  prompt: str  # rendered prompt text as seen, answer prefix and cut marks
+               # included (`truncation.plain(prompt)` for display)
+  prompt_tokens: list[int]  # exactly what the sampler saw
   text: str  # generated text (after the prefix)
   tokens: list[int]
   logprobs: list[float]
   finish_reason: str
+  prompt_cut: bool = False  # the prompt was over max_prompt_len and shortened
 
 
 def render(tokenizer, messages: Sequence[dict[str, str]]) -> str:
@@ -36,12 +41,6 @@ def render(tokenizer, messages: Sequence[dict[str, str]]) -> str:
     text = ''.join(f'{m["role"]}: {m["content"]}\n' for m in messages)
     text += 'assistant: '
   return text + prefix
-
-
-def encode(tokenizer, text: str, max_len: int) -> tuple[list[int], bool]:
-  """Token ids of `text`, keeping the last `max_len`; and whether it was cut."""
-  ids = tokenizer(text, add_special_tokens=False)['input_ids']
-  return ids[-max_len:], len(ids) > max_len
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -63,11 +62,11 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
   prompt_buckets, batch_buckets, max_rows (rows per sampler call; larger
   batches are split).
   """
-  prompts = [render(tokenizer, m) for m in messages_batch]
-  encoded = [encode(tokenizer, p, sampling.max_prompt_len) for p in prompts]
-  prompt_ids = [ids for ids, _ in encoded]
-  prompts = [tokenizer.decode(ids) if cut else p
-             for p, (ids, cut) in zip(prompts, encoded)]
+  encoded = [truncation.encode(tokenizer, render(tokenizer, m),
+                               sampling.max_prompt_len)
+             for m in messages_batch]
+  prompt_ids = [ids for ids, _, _ in encoded]
+  prompts = [text for _, _, text in encoded]
   allowed = [tokenizer.convert_tokens_to_ids(t) for t in sampling.allowed_tokens]
   if any(a is None or a == tokenizer.unk_token_id for a in allowed):
     raise ValueError(f'allowed_tokens={tuple(sampling.allowed_tokens)}: each '
@@ -97,6 +96,7 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
             prompt=prompts[start + i], prompt_tokens=list(ids),
             text=tokenizer.decode(tokens, skip_special_tokens=True),
             tokens=tokens, logprobs=list(out.logprobs[k]),
-            finish_reason=out.finish_reason[k]))
+            finish_reason=out.finish_reason[k],
+            prompt_cut=encoded[start + i][1]))
       results.append(row)
   return results

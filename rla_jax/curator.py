@@ -19,6 +19,7 @@ import numpy as np
 from rla_jax import boxed
 from rla_jax import feedback
 from rla_jax import structs
+from rla_jax import truncation
 from rla_jax.envs import base
 
 Group = tuple[str, str]
@@ -38,7 +39,7 @@ Trajectory ({num_steps} steps):
 {trajectory}
 
 High-risk steps (every reward-model judgment scored them -1): {risky}
-
+{reasons}
 In at most two sentences, explain why the agent failed and what it should \
 have done instead. Put the explanation inside \\boxed{{}}."""
 
@@ -179,6 +180,34 @@ def judge_pending(
   return new_pool, events, stats
 
 
+def discard_pending(
+    pool: Sequence[structs.Task], epoch: int
+) -> tuple[list[structs.Task], list[dict[str, Any]]]:
+  """Drops every pending rewrite undecided (the curator is switched off).
+
+  Without this, a run resumed with the curator disabled (or an ablation
+  started from a full run's workdir) would roll out and train on rewrites
+  that no one ever accepts or rejects. Each one leaves a 'discarded' event.
+  """
+  new_pool, events = [], []
+  for task in pool:
+    pending = task.pending
+    if pending is None:
+      new_pool.append(task)
+      continue
+    event = {
+        'task_id': task.task_id, 'epoch': epoch, 'created_epoch': pending.epoch,
+        'direction': pending.direction, 'acc_old': pending.acc_old,
+        'acc_new': None, 'accepted': False, 'reason': 'discarded',
+        'version': task.version, 'spec': copy.deepcopy(pending.spec),
+        'critiques': list(pending.critiques),
+    }
+    events.append(event)
+    new_pool.append(dataclasses.replace(
+        task, history=[*task.history, event], pending=None))
+  return new_pool, events
+
+
 def rejected_groups(events: Iterable[Mapping[str, Any]]) -> set[Group]:
   """Groups of rewrites that were measured and rejected (not to be trained)."""
   return {(e['task_id'], PENDING) for e in events if e['reason'] == 'rejected'}
@@ -194,17 +223,47 @@ def high_risk_steps(traj: structs.Trajectory,
   return sorted(k for k, s in scores.items() if s and all(x == -1 for x in s))
 
 
+def rationale(judgments: Iterable[structs.Judgment], k: int) -> str:
+  """The first RM answer that scored step `k` as -1 ('' if none)."""
+  for j in sorted(judgments, key=lambda j: j.sample):
+    if j.step == k and feedback.score(j) == -1:
+      return j.response.strip()
+  return ''
+
+
+def _clip(text: str, max_chars: int) -> str:
+  text = ' '.join(text.split())
+  return text if len(text) <= max_chars else text[:max_chars - 3] + '...'
+
+
 def critique_prompt(description: str, traj: structs.Trajectory,
-                    risky: Sequence[int]) -> str:
-  """Prompt asking the environment LLM why a rollout failed (steps 1-based)."""
+                    risky: Sequence[int],
+                    judgments: Sequence[structs.Judgment] = (),
+                    max_chars: int = 300) -> str:
+  """Prompt asking the environment LLM why a rollout failed (steps 1-based).
+
+  For every high-risk step it also shows the agent's response and one RM
+  rationale for the -1, each clipped to `max_chars`. The trajectory and
+  those reasons are the prompt's cuttable middle (truncation.cuttable): an
+  over-long prompt loses its oldest steps, never the task or the question.
+  """
   lines = []
   for i, step in enumerate(traj.steps, start=1):
     lines.append(f'Step {i}\n  action: {step.action}\n'
                  f'  observation: {step.observation}')
+  reasons = []
+  for k in risky:
+    reasons.append(
+        f'Step {k + 1}\n  agent: {_clip(traj.steps[k].response, max_chars)}\n'
+        '  reward model: '
+        f'{_clip(rationale(judgments, k), max_chars) or "(no reason)"}')
   return CRITIQUE_TEMPLATE.format(
       task=description, num_steps=len(traj.steps),
-      trajectory='\n'.join(lines) or '(no steps)',
-      risky=', '.join(str(k + 1) for k in risky) or 'none')
+      trajectory=truncation.cuttable('\n'.join(lines)) or '(no steps)',
+      risky=', '.join(str(k + 1) for k in risky) or 'none',
+      reasons=truncation.cuttable(
+          'What the agent said there, and why the reward model objected:\n'
+          + '\n'.join(reasons) + '\n') if reasons else '')
 
 
 def parse_critique(text: str) -> str:
@@ -215,7 +274,8 @@ def parse_critique(text: str) -> str:
 def critiques(
     pool: Sequence[structs.Task], fired: Mapping[str, str], env,
     trajectories: Sequence[structs.Trajectory],
-    judgments: Sequence[structs.Judgment], generate: base.GenerateFn
+    judgments: Sequence[structs.Judgment], generate: base.GenerateFn,
+    max_chars: int = 300
 ) -> tuple[dict[str, list[str]], dict[str, float]]:
   """Critiques of the failed active rollouts of fired tasks, one LLM call.
 
@@ -226,8 +286,11 @@ def critiques(
             if t.source == ACTIVE and t.task_id in fired
             and t.status != structs.ERROR and t.outcome < 0]
   judged = [j for j in judgments if j.source == ACTIVE and j.task_id in fired]
-  prompts = [critique_prompt(env.describe(by_id[t.task_id].active), t,
-                             high_risk_steps(t, judged)) for t in failed]
+  prompts = []
+  for t in failed:
+    own = [j for j in judged if j.step_key == t.step_key(j.step)]
+    prompts.append(critique_prompt(env.describe(by_id[t.task_id].active), t,
+                                   high_risk_steps(t, own), own, max_chars))
   stats = {'curator/critiques': 0, 'curator/critique_parse_fail': 0,
            'curator/critique_errors': 0}
   out = {task_id: [] for task_id in fired}
@@ -264,7 +327,8 @@ def request_rewrites(
   equal to the active spec.
   """
   fired = triggers(pool, accuracy, config.alpha_low, config.alpha_high)
-  notes, stats = critiques(pool, fired, env, trajectories, judgments, generate)
+  notes, stats = critiques(pool, fired, env, trajectories, judgments, generate,
+                           config.critique_max_chars)
   stats.update({
       'curator/triggered_harder': sum(
           d == structs.HARDER for d in fired.values()),
@@ -281,15 +345,23 @@ def request_rewrites(
       new_pool.append(task)
       continue
     stats['curator/requested'] += 1
-    spec = _rewrite(env, task, direction, notes[task.task_id], generate,
-                    config.rewrite_attempts, stats)
+    request = base.RewriteRequest(
+        spec=copy.deepcopy(task.active), root=copy.deepcopy(task.root),
+        direction=direction,
+        acc_old=float(accuracy[(task.task_id, ACTIVE)]),
+        critiques=list(notes[task.task_id]),
+        trajectories=[t for t in trajectories
+                      if (t.task_id, t.source) == (task.task_id, ACTIVE)],
+        judgments=[j for j in judgments
+                   if (j.task_id, j.source) == (task.task_id, ACTIVE)])
+    spec = _rewrite(env, task, request, generate, config.rewrite_attempts,
+                    stats)
     if spec is None:
       new_pool.append(task)
       continue
     stats['curator/created'] += 1
     pending = structs.Rewrite(
-        spec=spec, direction=direction,
-        acc_old=float(accuracy[(task.task_id, ACTIVE)]), epoch=epoch,
+        spec=spec, direction=direction, acc_old=request.acc_old, epoch=epoch,
         critiques=list(notes[task.task_id]))
     new_pool.append(dataclasses.replace(task, pending=pending))
   stats['curator/rewrite_failures'] = (stats['curator/rewrite_rejected'] +
@@ -297,11 +369,11 @@ def request_rewrites(
   return new_pool, stats
 
 
-def _rewrite(env, task, direction, notes, generate, attempts, stats):
+def _rewrite(env, task, request, generate, attempts, stats):
   """env.rewrite with every failure counted; the new spec or None."""
+  direction = request.direction
   try:
-    spec = env.rewrite(copy.deepcopy(task.active), direction, list(notes),
-                       generate, attempts=attempts)
+    spec = env.rewrite(request, generate, attempts=attempts)
   except base.RewriteRejected as e:
     logging.info('rewrite of %s (%s) rejected: %s', task.task_id, direction, e)
     stats['curator/rewrite_rejected'] += 1

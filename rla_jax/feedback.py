@@ -7,7 +7,7 @@ key is `(task_id, source, rollout, step)`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 import dataclasses
 
 import numpy as np
@@ -18,6 +18,10 @@ Group = tuple[str, str]
 StepKey = tuple[str, str, int, int]
 
 SINGLETON_MODES = ('raw', 'zero')
+# Which groups train the policy: 'mixed' = some but not all of the non-error
+# rollouts won (the authors' AlfWorld filter, for any G and with errors);
+# 'band' = accuracy inside [policy_acc_low, policy_acc_high].
+POLICY_FILTERS = ('mixed', 'band')
 # Slack on inclusive band edges, so that 0.8 from a config equals 4/5.
 _BAND_TOL = 1e-9
 
@@ -53,6 +57,26 @@ def task_accuracy(
 def in_band(acc: float | None, low: float, high: float) -> bool:
   """low <= acc <= high (inclusive, as the authors); False for None."""
   return acc is not None and low - _BAND_TOL <= acc <= high + _BAND_TOL
+
+
+def mixed(acc: GroupAccuracy) -> bool:
+  """Some, but not all, of the group's non-error rollouts succeeded."""
+  return 0 < acc.num_success < acc.num_ok
+
+
+def band(low: float, high: float) -> Callable[[GroupAccuracy], bool]:
+  """Keeps groups whose accuracy is in [low, high] (inclusive)."""
+  return lambda acc: in_band(acc.accuracy, low, high)
+
+
+def policy_filter(config) -> Callable[[GroupAccuracy], bool]:
+  """The policy's group filter from the `feedback` config section."""
+  if config.policy_filter not in POLICY_FILTERS:
+    raise ValueError(f'config.feedback.policy_filter={config.policy_filter!r}:'
+                     f' expected one of {POLICY_FILTERS}')
+  if config.policy_filter == 'mixed':
+    return mixed
+  return band(config.policy_acc_low, config.policy_acc_high)
 
 
 def judgments_by_step(
@@ -103,8 +127,7 @@ def policy_examples(
     rewards: Mapping[StepKey, float],
     accuracy: Mapping[Group, GroupAccuracy],
     *,
-    acc_low: float,
-    acc_high: float,
+    keep: Callable[[GroupAccuracy], bool],
     singleton: str,
     eps: float,
     exclude: Collection[Group],
@@ -115,16 +138,15 @@ def policy_examples(
   standardised: A = (R - mean) / std (population std; std <= eps -> A = 0).
   When a single rollout reaches step k, `singleton` decides: 'raw' keeps
   A = R (the authors, bug B11), 'zero' sets A = 0. Examples with |A| <= eps
-  are dropped. Groups are used only when not in `exclude` and
-  acc_low <= acc <= acc_high.
+  are dropped. Groups are used only when not in `exclude` and `keep`
+  accepts their accuracy.
   """
   if singleton not in SINGLETON_MODES:
     raise ValueError(f'singleton must be one of {SINGLETON_MODES}: {singleton}')
   stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
                          'singleton_steps', 'dropped_zero'), 0)
   examples = []
-  for trajs in _usable_groups(trajectories, accuracy, acc_low, acc_high,
-                              exclude, stats):
+  for trajs in _usable_groups(trajectories, accuracy, keep, exclude, stats):
     for k in range(max(len(t.steps) for t in trajs)):
       reach = [t for t in trajs if len(t.steps) > k]
       values = [rewards[t.step_key(k)] for t in reach]
@@ -133,7 +155,8 @@ def policy_examples(
         advantages = values if singleton == 'raw' else [0.0]
       else:
         advantages = zscore(values, eps)
-      _keep_nonzero([t.steps[k] for t in reach], advantages, eps, examples,
+      _keep_nonzero([t.steps[k] for t in reach],
+                    [t.step_key(k) for t in reach], advantages, eps, examples,
                     stats)
   stats['examples'] = len(examples)
   return examples, stats
@@ -145,8 +168,7 @@ def rm_examples(
     rewards: Mapping[StepKey, float],
     accuracy: Mapping[Group, GroupAccuracy],
     *,
-    acc_low: float,
-    acc_high: float,
+    keep: Callable[[GroupAccuracy], bool],
     penalty: float,
     eps: float,
     exclude: Collection[Group],
@@ -157,13 +179,13 @@ def rm_examples(
   when the answer was unparseable. A_j = z-score of raw over the m judgments
   of that step; the step is skipped when std <= eps; examples with
   |A| <= eps are dropped. Groups are used only when not in `exclude` and
-  acc_low <= acc <= acc_high (Theorem 2: both outcomes must be present).
+  `keep` accepts their accuracy (the RM band; Theorem 2: both outcomes must
+  be present).
   """
   stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
                          'steps_zero_var', 'penalties', 'dropped_zero'), 0)
   examples = []
-  for trajs in _usable_groups(trajectories, accuracy, acc_low, acc_high,
-                              exclude, stats):
+  for trajs in _usable_groups(trajectories, accuracy, keep, exclude, stats):
     for traj in trajs:
       for k in range(len(traj.steps)):
         key = traj.step_key(k)
@@ -175,7 +197,8 @@ def rm_examples(
         if np.std(raw) <= eps:
           stats['steps_zero_var'] += 1
           continue
-        _keep_nonzero(samples, zscore(raw, eps), eps, examples, stats)
+        _keep_nonzero(samples, [(*key, j.sample) for j in samples],
+                      zscore(raw, eps), eps, examples, stats)
   stats['examples'] = len(examples)
   return examples, stats
 
@@ -189,7 +212,8 @@ def integrate(
   """Policy and RM training examples of one epoch, plus `feedback/*` stats.
 
   `config` is the `feedback` section: lam, eps, singleton, parse_penalty,
-  policy_acc_low, policy_acc_high, rm_acc_low, rm_acc_high. `exclude` holds
+  policy_filter (+ policy_acc_low, policy_acc_high for 'band'), rm_acc_low,
+  rm_acc_high. `exclude` holds
   the groups not to train on (rejected pending rewrites).
   """
   trajectories = list(trajectories)
@@ -199,12 +223,13 @@ def integrate(
   rewards = step_rewards(trajectories, by_step, config.lam)
   exclude = set(exclude)
   policy, policy_stats = policy_examples(
-      trajectories, rewards, accuracy, acc_low=config.policy_acc_low,
-      acc_high=config.policy_acc_high, singleton=config.singleton,
+      trajectories, rewards, accuracy, keep=policy_filter(config),
+      singleton=config.singleton,
       eps=config.eps, exclude=exclude)
   rm, rm_stats = rm_examples(
-      trajectories, by_step, rewards, accuracy, acc_low=config.rm_acc_low,
-      acc_high=config.rm_acc_high, penalty=config.parse_penalty,
+      trajectories, by_step, rewards, accuracy,
+      keep=band(config.rm_acc_low, config.rm_acc_high),
+      penalty=config.parse_penalty,
       eps=config.eps, exclude=exclude)
   judgments = list(judgments)
   stats = {
@@ -230,38 +255,39 @@ def integrate(
 def rm_metrics(
     trajectories: Sequence[structs.Trajectory],
     judgments: Sequence[structs.Judgment],
-    step_labels: Mapping[StepKey, int] | None = None,
 ) -> dict[str, float]:
   """Reward-model quality metrics (RLANYTHING.md 1, 7); NaN when undefined.
 
   Non-error rollouts only; a step's verdict is sign(mean_j S_j), 0 = wrong.
     rm/outcome_acc: fraction of rollouts with a judged step where
       sign(mean over judged steps of mean_j S_j) == O (paper: Outcome Acc).
-    rm/process_acc: fraction of judged steps whose verdict equals its label.
-      With `step_labels` (e.g. a stronger judge's majority vote, the paper's
-      Process Acc) only labelled steps count; without, the label is the
-      rollout's outcome O, a proxy that measures agreement with the outcome.
+    rm/process_acc: fraction of labelled judged steps whose verdict equals
+      the label (paper: Process Acc). Labels are +-1 per step in
+      `Trajectory.info['step_labels']` (None = unlabelled), written by
+      environments that know which actions progress (an expert or planner).
+      Present only when some judged step is labelled.
+    rm/outcome_agreement: fraction of judged steps whose verdict equals the
+      rollout's outcome O (a proxy, not the paper's Process Acc).
     rm/p_plus: P(S_j = +1 | step of a successful rollout), per sample.
     rm/p_minus: P(S_j = -1 | step of a failed rollout), per sample.
     rm/mu: p_plus + p_minus; more samples m help iff mu > 1 (Theorem 1).
     judge/parse_fail_rate: unparseable answers / all judgments.
   """
   by_step = judgments_by_step(judgments)
-  outcome_hits, process_hits = [], []
+  outcome_hits, agreement, process_hits = [], [], []
   plus, minus = [], []
   for traj in _ok(trajectories):
+    labels = traj.info.get('step_labels') or ()
     step_means = []
     for k in range(len(traj.steps)):
-      key = traj.step_key(k)
-      samples = by_step.get(key, ())
+      samples = by_step.get(traj.step_key(k), ())
       if not samples:
         continue
       mean = step_score(samples)
       step_means.append(mean)
-      if step_labels is None:
-        process_hits.append(np.sign(mean) == np.sign(traj.outcome))
-      elif key in step_labels:
-        process_hits.append(np.sign(mean) == np.sign(step_labels[key]))
+      agreement.append(np.sign(mean) == np.sign(traj.outcome))
+      if k < len(labels) and labels[k] is not None:
+        process_hits.append(np.sign(mean) == np.sign(labels[k]))
       if traj.outcome > 0:
         plus.extend(score(j) == 1 for j in samples)
       else:
@@ -270,36 +296,44 @@ def rm_metrics(
       outcome_hits.append(np.sign(np.mean(step_means)) == np.sign(traj.outcome))
   judgments = list(judgments)
   p_plus, p_minus = _mean(plus), _mean(minus)
-  return {
+  out = {
       'rm/outcome_acc': _mean(outcome_hits),
       'rm/outcome_count': len(outcome_hits),
-      'rm/process_acc': _mean(process_hits),
-      'rm/process_count': len(process_hits),
+      'rm/outcome_agreement': _mean(agreement),
       'rm/p_plus': p_plus,
       'rm/p_minus': p_minus,
       'rm/mu': p_plus + p_minus,
       'judge/parse_fail_rate': _mean(not j.parsed for j in judgments),
   }
+  if process_hits:
+    out.update({'rm/process_acc': _mean(process_hits),
+                'rm/process_count': len(process_hits)})
+  return out
 
 
-def _keep_nonzero(sources, advantages, eps, examples, stats):
-  """Appends an Example per (Step or Judgment, A) with |A| > eps."""
-  for source, advantage in zip(sources, advantages):
+def example_key(*parts) -> str:
+  """'task/source/rollout/step[/sample]': names an example in logs."""
+  return '/'.join(str(p) for p in parts)
+
+
+def _keep_nonzero(sources, keys, advantages, eps, examples, stats):
+  """Appends an Example per (Step or Judgment, key, A) with |A| > eps."""
+  for source, key, advantage in zip(sources, keys, advantages):
     if abs(advantage) <= eps:
       stats['dropped_zero'] += 1
     else:
-      examples.append(structs.Example(list(source.prompt_tokens),
-                                      list(source.response_tokens),
-                                      float(advantage)))
+      examples.append(structs.Example(
+          list(source.prompt_tokens), list(source.response_tokens),
+          float(advantage), logprobs=list(source.logprobs),
+          key=example_key(*key)))
 
 
-def _usable_groups(trajectories, accuracy, acc_low, acc_high, exclude,
-                   stats):
-  """Rollouts of each group not excluded and with accuracy in the band."""
+def _usable_groups(trajectories, accuracy, keep, exclude, stats):
+  """Rollouts of each group not excluded and accepted by `keep`."""
   for group, trajs in _by_group(_ok(trajectories)).items():
     if group in exclude:
       stats['groups_excluded'] += 1
-    elif not in_band(accuracy[group].accuracy, acc_low, acc_high):
+    elif not keep(accuracy[group]):
       stats['groups_filtered'] += 1
     else:
       stats['groups_used'] += 1

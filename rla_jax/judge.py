@@ -26,6 +26,9 @@ _MINUS = str.maketrans({
     '\uff0b': '+',  # fullwidth plus
 })
 _FRACTION = re.compile(r'\d\s*/\s*\d|\\[dt]?frac\b')
+# A sign separated from its digit by spaces or LaTeX spacing (`- 1`, `-\,1`,
+# `+~1`) is still that digit's sign.
+_SPACED_SIGN = re.compile(r'([+-])(?:\s|~|\\[,;:! ]|\\q?quad\b)+(?=\d)')
 _NUMBER = re.compile(r'[+-]?\d+(?:\.\d+)?')
 
 
@@ -33,7 +36,8 @@ def parse_score(text: str) -> int | None:
   """The step score S in {-1, +1} from a judge answer, None if unparseable.
 
   Rules (authors' parser, RLANYTHING.md 3.4), on the last box's content with
-  dash variants mapped to '-' and whitespace stripped:
+  dash variants mapped to '-', a spaced sign joined to its digit ('- 1',
+  '-\\,1' -> '-1') and whitespace stripped:
     '1' or '+1' -> +1; '-1' -> -1;
     a fraction (a/b, \\frac) -> None;
     otherwise, if exactly one number inside equals +-1 -> that number;
@@ -43,7 +47,7 @@ def parse_score(text: str) -> int | None:
   content = last_boxed(text)
   if content is None:
     return None
-  content = content.translate(_MINUS).strip()
+  content = _SPACED_SIGN.sub(r'\1', content.translate(_MINUS)).strip()
   if content in ('1', '+1'):
     return 1
   if content == '-1':
@@ -80,5 +84,6 @@ def score(rm_model, tokenizer, env, trajectories, *, num_samples: int,
           task_id=traj.task_id, source=traj.source, rollout=traj.rollout,
           step=k, sample=j, prompt=c.prompt, prompt_tokens=c.prompt_tokens,
           response=c.text, response_tokens=c.tokens, logprobs=c.logprobs,
-          score=0 if s is None else s, parsed=s is not None))
+          score=0 if s is None else s, parsed=s is not None,
+          prompt_cut=c.prompt_cut))
   return judgments

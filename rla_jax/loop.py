@@ -1,8 +1,9 @@
 """One RLAnything run; `_epoch` is the only code that orders the stages.
 
-epoch: policy rollouts -> RM judgments -> critiques and rewrites ->
-acceptance of last epoch's rewrites -> feedback -> policy update -> RM update
--> (periodic) evaluation on held-out tasks -> checkpoint.
+epoch: policy rollouts (sampled tasks + last epoch's rewrites) -> RM
+judgments -> acceptance of last epoch's rewrites from their rollouts ->
+critiques and new rewrites -> feedback -> policy update -> RM update ->
+(periodic) evaluation on held-out splits -> checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -37,7 +39,10 @@ from rla_jax.models import loading
 
 SUMMARY_KEYS = ('rollout/accuracy', 'judge/parse_fail_rate', 'policy/loss',
                 'policy/kl', 'rm/loss', 'curator/accepted', 'curator/rejected',
-                'curator/pending', 'eval/accuracy', 'time/epoch_s')
+                'curator/pending', 'eval/*/accuracy', 'time/epoch_s')
+KL_REFERENCES = ('pi_old', 'initial')
+# Which sampler section feeds which model's training data.
+_SAMPLED_BY = {'policy': 'rollout', 'reward_model': 'judge'}
 
 
 @dataclasses.dataclass
@@ -54,6 +59,7 @@ class Run:
   trainers: dict[str, train.Trainer]
   states: dict[str, train.TrainState]
   env_params: Any  # frozen environment-LLM parameters
+  ref_params: dict[str, Any]  # frozen KL references (kl_reference='initial')
   pool: list[structs.Task]
   order: Any  # grain iterator over slot indices (checkpointed position)
   writer: metrics.Writer
@@ -61,8 +67,9 @@ class Run:
   chief: bool
 
 
-def _seed(config, epoch: int, stage: int) -> int:
-  return int(np.random.SeedSequence([config.seed, epoch, stage])
+def _seed(config, *keys: int) -> int:
+  """A 31-bit seed from (config.seed, *keys), e.g. (epoch, stage, call)."""
+  return int(np.random.SeedSequence([config.seed, *keys])
              .generate_state(1)[0] & 0x7FFFFFFF)
 
 
@@ -72,7 +79,7 @@ def _model(run: Run, name: str):
   return nnx.merge(run.graphdefs[name], params)
 
 
-def _sample_fn(run: Run, name: str, sampling):
+def _sample_fn(run: Run, name: str, sampling) -> rollout.PolicyFn:
   """messages batch, seed -> one completion each, from model `name`."""
 
   def sample(messages, seed):
@@ -84,17 +91,36 @@ def _sample_fn(run: Run, name: str, sampling):
   return sample
 
 
-def _generate_fn(run: Run, seed: int):
+def _generate_fn(run: Run, epoch: int, cuts: list[int]):
   """The environment LLM as text -> text (critiques, rewrite proposals).
 
   `curator.answer_prefix` pre-fills each answer (small models then answer in
-  the asked format); the returned text includes it.
+  the asked format); the returned text includes it. Every call draws its own
+  random stream (the epoch's seed folded with a call counter), so attempt i
+  of one task and of another are different samples. `cuts` accumulates
+  [prompts, prompts cut].
   """
   sample = _sample_fn(run, 'env_model', run.config.curator.sampling)
   prefix = run.config.curator.answer_prefix
   tail = [{'role': 'assistant', 'content': prefix}] if prefix else []
-  return lambda prompts: [prefix + c.text for c in sample(
-      [[{'role': 'user', 'content': p}, *tail] for p in prompts], seed)]
+  calls = itertools.count()
+
+  def generate(prompts):
+    completions = sample(
+        [[{'role': 'user', 'content': p}, *tail] for p in prompts],
+        _seed(run.config, epoch, 3, next(calls)))
+    cuts[0] += len(completions)
+    cuts[1] += sum(c.prompt_cut for c in completions)
+    return [prefix + c.text for c in completions]
+
+  return generate
+
+
+def _cut_frac(items) -> float:
+  """Fraction of steps / judgments whose prompt was cut (NaN for none)."""
+  items = list(items)
+  return (float(np.mean([i.prompt_cut for i in items])) if items
+          else float('nan'))
 
 
 class _Timer:
@@ -133,6 +159,7 @@ def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
           [len(s.response_tokens) for s in steps])) if steps else 0.0,
       'rollout/truncated_frac': float(np.mean(
           [s.finish_reason == 'length' for s in steps])) if steps else 0.0,
+      'rollout/prompt_cut_frac': _cut_frac(steps),
   }
 
 
@@ -141,11 +168,22 @@ def _needs_judge(config) -> bool:
           or config.curator.enabled)
 
 
+def _log_events(run: Run, epoch: int, events):
+  for event in events:
+    run.writer.text(epoch, 'curator/decisions', json.dumps(event))
+
+
 def _epoch(run: Run, epoch: int) -> dict[str, float]:
   config = run.config
   values: dict[str, float] = {}
   timer = _Timer(values, epoch, run.chief)
   start = time.perf_counter()
+  if not config.curator.enabled:
+    # Nobody will decide pending rewrites (an ablation, or a resume with the
+    # curator off): drop them instead of training on them forever.
+    run.pool, events = curator.discard_pending(run.pool, epoch)
+    values['curator/discarded'] = len(events)
+    _log_events(run, epoch, events)
 
   with timer('rollout'):
     batch = curator.sample_batch(run.pool, config.rollout.num_tasks, run.order)
@@ -170,20 +208,26 @@ def _epoch(run: Run, epoch: int) -> dict[str, float]:
           sampling=config.judge.sampling, seed=_seed(config, epoch, 2),
           mesh=run.mesh, rules=run.rules)
     values.update(feedback.rm_metrics(trajs, judgments))
+    values['judge/prompt_cut_frac'] = _cut_frac(judgments)
 
   exclude = set()
   if config.curator.enabled:
     with timer('curator'):
-      run.pool, stats = curator.request_rewrites(
-          run.pool, run.env, trajs, judgments, acc,
-          _generate_fn(run, _seed(config, epoch, 3)), epoch, config.curator)
-      values.update(stats)
+      # Last epoch's rewrites were rolled out above: decide them first, then
+      # ask for new ones (a rewrite is measured in the epoch after it is
+      # made, never in the epoch that made it).
       run.pool, events, stats = curator.judge_pending(run.pool, acc, epoch,
                                                       config.curator)
       values.update(stats)
       exclude = curator.rejected_groups(events)
-      for event in events:
-        run.writer.text(epoch, 'curator/decisions', json.dumps(event))
+      _log_events(run, epoch, events)
+      cuts = [0, 0]
+      run.pool, stats = curator.request_rewrites(
+          run.pool, run.env, trajs, judgments, acc,
+          _generate_fn(run, epoch, cuts), epoch, config.curator)
+      values.update(stats)
+      values['curator/prompt_cut_frac'] = (cuts[1] / cuts[0] if cuts[0]
+                                           else float('nan'))
   values.update(curator.metrics(run.pool, run.env))
 
   with timer('feedback'):
@@ -194,13 +238,14 @@ def _epoch(run: Run, epoch: int) -> dict[str, float]:
   with timer('policy_update'):
     run.states['policy'], stats = train.update(
         run.trainers['policy'], run.states['policy'], policy_examples,
-        epoch=epoch)
+        epoch=epoch, ref_params=run.ref_params.get('policy'))
     values.update({f'policy/{k}': v for k, v in stats.items()})
   if config.loop.train_rm:
     with timer('rm_update'):
       run.states['reward_model'], stats = train.update(
           run.trainers['reward_model'], run.states['reward_model'],
-          rm_examples, epoch=epoch)
+          rm_examples, epoch=epoch,
+          ref_params=run.ref_params.get('reward_model'))
       values.update({f'rm/{k}': v for k, v in stats.items()})
 
   if run.chief:
@@ -235,21 +280,57 @@ def _log_samples(run: Run, epoch: int, trajs, judgments, accuracy):
 
 
 def _evaluate(run: Run, epoch: int) -> dict[str, float]:
+  """Held-out accuracy per split (`eval/<split>/...`), and the RM on it.
+
+  Each split in config.eval.splits is rolled out with the evaluation turn
+  budget (config.eval.max_turns); with config.eval.judge the RM judges those
+  rollouts too, so its outcome and process accuracy are measured on the
+  evaluation tasks, as the paper reports them.
+  """
   config = run.config
-  specs = run.env.tasks('eval')[:config.eval.num_tasks]
-  if not specs:
-    return {}
+  values: dict[str, float] = {}
   start = time.perf_counter()
-  trajs = rollout.run(
-      run.env, [(s['id'], s, curator.ACTIVE) for s in specs],
-      group_size=config.eval.group_size,
-      policy=_sample_fn(run, 'policy', config.eval.sampling),
-      pool=run.executor, seed=_seed(config, epoch, 9),
-      max_turns=run.env.max_turns)
-  ok = [t for t in trajs if t.status == structs.OK]
-  return {'eval/accuracy': _win_rate(ok),
-          'eval/errors': len(trajs) - len(ok),
-          'time/eval_s': time.perf_counter() - start}
+  for i, split in enumerate(config.eval.splits):
+    specs = run.env.tasks(split)[:config.eval.num_tasks]
+    if not specs:
+      continue
+    trajs = rollout.run(
+        run.env, [(s['id'], s, curator.ACTIVE) for s in specs],
+        group_size=config.eval.group_size,
+        policy=_sample_fn(run, 'policy', config.eval.sampling),
+        pool=run.executor, seed=_seed(config, epoch, 9, i),
+        max_turns=config.eval.max_turns)
+    ok = [t for t in trajs if t.status == structs.OK]
+    prefix = f'eval/{split}/'
+    values.update({
+        prefix + 'accuracy': _win_rate(ok),
+        prefix + 'episodes': len(ok),
+        prefix + 'errors': len(trajs) - len(ok),
+        prefix + 'prompt_cut_frac': _cut_frac(s for t in ok for s in t.steps),
+    })
+    if config.eval.judge:
+      judgments = judge.score(
+          _model(run, 'reward_model'), run.tokenizers['reward_model'],
+          run.env, trajs, num_samples=config.judge.num_samples,
+          sampling=config.judge.sampling, seed=_seed(config, epoch, 10, i),
+          mesh=run.mesh, rules=run.rules)
+      values.update({prefix + k.replace('/', '_'): v for k, v in
+                     feedback.rm_metrics(trajs, judgments).items()})
+  values['time/eval_s'] = time.perf_counter() - start
+  return values
+
+
+def train_limits(config, name: str) -> tuple[int, int]:
+  """(max_prompt_len, max_response_len) of model `name`'s training data.
+
+  0 in config.train.<name> means the limit of the sampler that produced the
+  data (rollout for the policy, judge for the RM), so by default nothing is
+  trained on a context it was not sampled from.
+  """
+  sampled = config[_SAMPLED_BY[name]].sampling
+  limits = config.train[name]
+  return (limits.max_prompt_len or sampled.max_prompt_len,
+          limits.max_response_len or sampled.max_new_tokens)
 
 
 def validate(config) -> None:
@@ -265,10 +346,35 @@ def validate(config) -> None:
   check(config.judge.num_samples >= 1, 'judge.num_samples', 'must be >= 1')
   check(0 <= config.curator.alpha_low < config.curator.alpha_high <= 1,
         'curator.alpha_low', 'need 0 <= alpha_low < alpha_high <= 1')
+  check(config.curator.pending_max_tries >= 1, 'curator.pending_max_tries',
+        'must be >= 1 (epochs a rewrite may go without a measurement)')
   check(config.feedback.singleton in ('raw', 'zero'), 'feedback.singleton',
         "must be 'raw' or 'zero'")
+  check(config.feedback.policy_filter in feedback.POLICY_FILTERS,
+        'feedback.policy_filter', f'must be one of {feedback.POLICY_FILTERS}')
   check(config.loop.checkpoint_every >= 1, 'loop.checkpoint_every',
         'must be >= 1')
+  check(config.eval.max_turns >= 1, 'eval.max_turns', 'must be >= 1')
+  check(bool(config.eval.splits) or not config.eval.every, 'eval.splits',
+        'name at least one evaluation split (or set eval.every=0)')
+  trained = ('policy', 'reward_model') if config.loop.train_rm else (
+      'policy',)
+  for name in ('policy', 'reward_model'):
+    check(config.train[name].kl_reference in KL_REFERENCES,
+          f'train.{name}.kl_reference', f'must be one of {KL_REFERENCES}')
+    check(config.train[name].logprob_gap_warn >= 0,
+          f'train.{name}.logprob_gap_warn', 'must be >= 0')
+  for name in trained:
+    sampled = f'{_SAMPLED_BY[name]}.sampling'
+    prompt, response = train_limits(config, name)
+    for key, limit, sampler_key in (
+        ('max_prompt_len', prompt, 'max_prompt_len'),
+        ('max_response_len', response, 'max_new_tokens')):
+      have = _lookup(config, f'{sampled}.{sampler_key}')
+      check(limit >= have, f'train.{name}.{key}',
+            f'shorter than config.{sampled}.{sampler_key}={have}: {name} '
+            'training would see cut contexts it never sampled from; raise '
+            'it (and its buckets) or set it to 0 (= the sampler\'s)')
 
 
 def _lookup(config, key: str):
@@ -313,18 +419,29 @@ def _setup(config, workdir: str) -> Run:
           make_tokenizer=make_tokenizer)
       graphdefs[name], state = nnx.split(model)
       params[name] = nnx.to_pure_dict(state)
-  trainers, states = {}, {}
+  trainers, states, ref_params = {}, {}, {}
   for name, kind in (('policy', train.POLICY), ('reward_model', train.REWARD)):
+    limits = config.train[name]
+    # 0 = the sampler's limit (train_limits); resolved once, so the written
+    # config.json and the trainer see the numbers in use.
+    limits.max_prompt_len, limits.max_response_len = train_limits(config,
+                                                                  name)
     trainers[name] = train.Trainer(graphdefs[name], config.optim[name],
-                                   config.train[name], mesh, rules, kind=kind)
+                                   limits, mesh, rules, kind=kind)
+    if limits.kl_reference == 'initial':
+      # A frozen copy of the starting weights (one more copy of the model in
+      # memory). The train state's arrays are donated at every step, so the
+      # reference must not share buffers with them. On resume the weights are
+      # loaded from the same path again, so the reference is unchanged.
+      ref_params[name] = jax.tree.map(lambda x: x.copy(), params[name])
     states[name] = trainers[name].init_state(params[name])
   pool = curator.build_pool(env.tasks('train'))
   order = iter(grain.MapDataset.range(len(pool)).shuffle(seed=config.seed)
                .repeat().to_iter_dataset())
   return Run(config=config, workdir=workdir, mesh=mesh, rules=rules, env=env,
              tokenizers=tokenizers, graphdefs=graphdefs, trainers=trainers,
-             states=states, env_params=params['env_model'], pool=pool,
-             order=order,
+             states=states, env_params=params['env_model'],
+             ref_params=ref_params, pool=pool, order=order,
              writer=metrics.Writer(os.path.join(workdir, 'tb'), enabled=chief),
              executor=futures.ThreadPoolExecutor(config.loop.env_threads),
              chief=chief)

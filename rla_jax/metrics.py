@@ -6,6 +6,7 @@ Only process 0 writes; other processes get a writer that does nothing.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -74,9 +75,13 @@ def progress(iterable, *, total=None, desc: str):
 
 def summary_line(epoch: int, values: Mapping[str, float],
                  keys: Iterable[str]) -> str:
-  """One line per epoch on stdout, e.g. `epoch 3 | rollout/accuracy 0.41 | ...`."""
+  """One line per epoch on stdout, e.g. `epoch 3 | rollout/accuracy 0.41 | ...`.
+
+  A key may hold `*` wildcards (`eval/*/accuracy`: every split).
+  """
   parts = [f'epoch {epoch}']
   for key in keys:
-    if key in values:
-      parts.append(f'{key} {values[key]:.4g}')
+    for name in fnmatch.filter(values, key) if '*' in key else [key]:
+      if name in values:
+        parts.append(f'{name} {values[name]:.4g}')
   return ' | '.join(parts)

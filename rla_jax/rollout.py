@@ -45,7 +45,8 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
       observations.append('')
 
   def start(i):
-    episodes[i] = env.make_episode(trajs[i].spec, seed * 1_000_003 + i)
+    episodes[i] = env.make_episode(trajs[i].spec, seed * 1_000_003 + i,
+                                   max_turns)
     return episodes[i].reset()
 
   live = []
@@ -76,7 +77,8 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
       trajs[i].steps.append(structs.Step(
           prompt=c.prompt, prompt_tokens=c.prompt_tokens, response=c.text,
           response_tokens=c.tokens, logprobs=c.logprobs, action=action,
-          observation=observation, finish_reason=c.finish_reason))
+          observation=observation, finish_reason=c.finish_reason,
+          prompt_cut=c.prompt_cut))
       turns[i].append((observations[i], action))
       observations[i] = observation
       if done:
@@ -86,6 +88,9 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
     live = still_live
   for i in live:  # ran out of turns without a verdict: a failure
     trajs[i].outcome = -1.0
+  for traj, episode in zip(trajs, episodes):
+    if episode is not None and traj.status == structs.OK:
+      traj.info = dict(getattr(episode, 'info', None) or {})
   for episode in episodes:
     if episode is not None:
       try:

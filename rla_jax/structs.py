@@ -53,6 +53,7 @@ class Step:
   action: str  # the action parsed from the response, sent to the environment
   observation: str  # the environment's reply to the action
   finish_reason: str
+  prompt_cut: bool = False  # the prompt was too long and lost tokens
 
 
 @dataclasses.dataclass
@@ -67,6 +68,9 @@ class Trajectory:
   outcome: float = -1.0  # O: +1 success, -1 failure
   status: str = OK
   error: str | None = None
+  # JSON-able facts the episode reports (its `info` dict, copied at the end),
+  # e.g. per-test results of a program in the coding setting.
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def group(self) -> tuple[str, str]:
@@ -94,6 +98,7 @@ class Judgment:
   logprobs: list[float]
   score: int  # S in {-1, 0, +1}; 0 when unparseable
   parsed: bool
+  prompt_cut: bool = False  # the prompt was too long and lost tokens
 
   @property
   def group(self) -> tuple[str, str]:
@@ -112,3 +117,8 @@ class Example:
   prompt_tokens: list[int]
   response_tokens: list[int]
   advantage: float
+  # The sampler's log-probs of response_tokens (empty when unknown), compared
+  # with the trainer's pi_old to catch sampler/trainer mismatches.
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  key: str = ''  # where it came from, e.g. 'task/source/rollout/step[/sample]'
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -408,10 +409,30 @@ def _steps(train_config, kept: Sequence[structs.Example], epoch: int):
   return list(ds.batch(per_step, batch_fn=list))
 
 
+def logprob_gaps(old_NxR: np.ndarray,
+                 examples: Sequence[structs.Example]) -> np.ndarray:
+  """|sampler log-prob - trainer pi_old| of every response token that has one.
+
+  Row i of `old_NxR` holds example i's response (as `batching.pack` lays
+  them out). A sampler/trainer mismatch (different numerics, a cut context,
+  a wrong template) shows up here before it biases the importance ratios.
+  """
+  gaps = []
+  for row, example in enumerate(examples):
+    n = min(len(example.logprobs), len(example.response_tokens))
+    if n:
+      gaps.append(np.abs(old_NxR[row, :n] -
+                         np.asarray(example.logprobs[:n], np.float32)))
+  return np.concatenate(gaps) if gaps else np.zeros((0,), np.float32)
+
+
 def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
-  """One Batch per optimizer step, with pi_old (and reference) log-probs."""
+  """One Batch per optimizer step, with pi_old (and reference) log-probs.
+
+  Also returns the sampler/trainer log-prob gaps of all response tokens.
+  """
   c = trainer.train_config
-  batches = []
+  batches, gaps = [], []
   for group in groups:
     batch = batching.pack(group, micro_batch_size=c.micro_batch_size,
                           prompt_buckets=c.prompt_buckets,
@@ -419,7 +440,24 @@ def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
     old = trainer.logprobs(state.params, batch)
     ref = old if ref_params is None else trainer.logprobs(ref_params, batch)
     batches.append(batch.replace(old_logp_MxBxR=old, ref_logp_MxBxR=ref))
-  return batches
+    old_NxR = sharding.to_host(old)
+    gaps.append(logprob_gaps(old_NxR.reshape(-1, old_NxR.shape[-1]), group))
+  return batches, np.concatenate(gaps)
+
+
+def _gap_metrics(trainer: Trainer, gaps: np.ndarray,
+                 epoch: int) -> dict[str, float]:
+  if not gaps.size:
+    return {}
+  mean, bound = float(gaps.mean()), trainer.train_config.logprob_gap_warn
+  if mean > bound:
+    logging.warning(
+        '%s epoch %d: sampler and trainer log-probs differ by %.4f on average '
+        '(max %.4f) over %d response tokens, above train.logprob_gap_warn=%g; '
+        'the importance ratios are biased (check dtypes, prompt limits and '
+        'the chat template)', trainer.kind, epoch, mean, float(gaps.max()),
+        gaps.size, bound)
+  return {'logprob_gap_mean': mean, 'logprob_gap_max': float(gaps.max())}
 
 
 def update(trainer: Trainer, state: TrainState,
@@ -443,7 +481,8 @@ def update(trainer: Trainer, state: TrainState,
     (state, metrics): loss, pg_loss, kl, clip_frac, ratio_mean, entropy (if
     computed) and grad_norm averaged over steps; ratio_max over steps; lr of
     the last step; tokens, sequences, steps, dropped, examples, time_s,
-    tokens_per_s.
+    tokens_per_s; logprob_gap_mean / _max (|sampler - pi_old| per response
+    token, when the examples carry sampler log-probs).
 
   Raises:
     NonFiniteLossError: a step's loss or gradient norm is not finite. The
@@ -460,7 +499,7 @@ def update(trainer: Trainer, state: TrainState,
                        time_s=time.perf_counter() - start)
   if trainer.optim_config.reset_every_epoch:
     state = trainer.reset_optimizer(state)
-  batches = _batches(trainer, state, _steps(c, kept, epoch), ref_params)
+  batches, gaps = _batches(trainer, state, _steps(c, kept, epoch), ref_params)
   first_step = int(state.step)
   per_step = []
   for i, batch in enumerate(metrics_lib.progress(
@@ -473,7 +512,8 @@ def update(trainer: Trainer, state: TrainState,
           f'{i + 1}/{len(batches)}): loss={metrics["loss"]}, grad_norm='
           f'{metrics["grad_norm"]}; parameters were not updated', state)
     per_step.append(metrics)
-  out = dict(_epoch_metrics(per_step), **base, steps=float(len(per_step)))
+  out = dict(_epoch_metrics(per_step), **base, steps=float(len(per_step)),
+             **_gap_metrics(trainer, gaps, epoch))
   out['time_s'] = time.perf_counter() - start
   out['tokens_per_s'] = out['tokens'] / out['time_s']
   return state, out

@@ -12,6 +12,7 @@ import pytest
 
 from rla_jax import curator
 from rla_jax import structs
+from rla_jax import truncation
 from rla_jax.envs import base
 
 HARDER, EASIER = structs.HARDER, structs.EASIER
@@ -20,7 +21,7 @@ HARDER, EASIER = structs.HARDER, structs.EASIER
 def make_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       num_tasks=2, alpha_low=0.2, alpha_high=0.8, rewrite_attempts=3,
-      pending_max_tries=2))
+      pending_max_tries=2, critique_max_chars=40))
   config.update(overrides)
   return config
 
@@ -38,10 +39,12 @@ class FakeEnv:
   def difficulty(self, spec):
     return float(spec['level'])
 
-  def rewrite(self, spec, direction, critiques, generate, attempts):
+  def rewrite(self, request, generate, attempts):
+    spec, direction = request.spec, request.direction
     self.calls.append(dict(spec=spec, direction=direction,
-                           critiques=list(critiques), attempts=attempts,
-                           generate=generate))
+                           critiques=list(request.critiques),
+                           attempts=attempts, generate=generate,
+                           request=request))
     if spec['id'] in self.reject:
       raise base.RewriteRejected('no valid candidate')
     if spec['id'] in self.crash:
@@ -72,7 +75,8 @@ def specs(n):
 
 
 def traj(task, r, outcome, num_steps=2, source='active', status=structs.OK):
-  steps = [structs.Step(prompt='', prompt_tokens=[], response='',
+  steps = [structs.Step(prompt='', prompt_tokens=[],
+                        response=f'I will go {k} because ' + 'x' * 50,
                         response_tokens=[], logprobs=[], action=f'go {k}',
                         observation=f'room {k}', finish_reason='stop')
            for k in range(num_steps)]
@@ -82,7 +86,8 @@ def traj(task, r, outcome, num_steps=2, source='active', status=structs.OK):
 
 def judgment(task, r, k, j, s, source='active'):
   return structs.Judgment(task_id=task, source=source, rollout=r, step=k,
-                          sample=j, prompt='', prompt_tokens=[], response='',
+                          sample=j, prompt='', prompt_tokens=[],
+                          response=f'judge {j} of step {k}: S={s}',
                           response_tokens=[], logprobs=[], score=s or 0,
                           parsed=s is not None)
 
@@ -240,10 +245,20 @@ def test_critiques_reach_the_rewrite_hook():
   prompts = generate.calls[0]
   assert len(prompts) == 3  # t0 rollout 4, t1 rollouts 0 and 1
   assert 'Put the t1 away (level 5).' in prompts[1]
-  assert 'Step 3\n  action: go 2\n  observation: room 2' in prompts[1]
-  assert 'scored them -1): 2\n' in prompts[1]
-  assert 'scored them -1): 1\n' in prompts[0]
-  assert 'scored them -1): none' in prompts[2]
+  plain = [truncation.plain(p) for p in prompts]
+  assert 'Step 3\n  action: go 2\n  observation: room 2' in plain[1]
+  assert 'scored them -1): 2\n' in plain[1]
+  assert 'scored them -1): 1\n' in plain[0]
+  assert 'scored them -1): none' in plain[2]
+  # A high-risk step shows the agent's response and one RM rationale,
+  # clipped to critique_max_chars (40).
+  clipped = ('I will go 1 because ' + 'x' * 50)[:37] + '...'
+  assert ('and why the reward model objected:\nStep 2\n  agent: '
+          f'{clipped}\n  reward model: judge 0 of step 1: S=-1\n') in plain[1]
+  assert '  agent:' not in plain[2]
+  # The history is the cuttable middle; task and question stay fixed.
+  assert prompts[1].index(truncation.CUT_BEGIN) > prompts[1].index('t1 away')
+  assert prompts[1].rindex(truncation.CUT_END) < prompts[1].index('two sent')
   assert '\\boxed{}' in prompts[0]
   assert [c['spec']['id'] for c in env.calls] == ['t0', 't1']
   assert env.calls[0]['critiques'] == ['critique 1.0 {ok}']
@@ -251,6 +266,11 @@ def test_critiques_reach_the_rewrite_hook():
   assert env.calls[0]['direction'] == HARDER
   assert env.calls[1]['direction'] == EASIER
   assert env.calls[0]['attempts'] == 3 and env.calls[0]['generate'] is generate
+  request = env.calls[1]['request']
+  assert request.acc_old == 0.0 and request.root == pool[1].root
+  assert [(t.task_id, t.rollout) for t in request.trajectories] == [
+      ('t1', 0), ('t1', 1), ('t1', 2)]
+  assert {j.task_id for j in request.judgments} == {'t1'}
   t0, t1, t2 = new_pool
   assert t0.pending == structs.Rewrite(
       spec={'id': 't0', 'level': 6}, direction=HARDER, acc_old=0.8, epoch=4,
@@ -357,3 +377,13 @@ def test_curator_does_not_import_jax():
   code = ('import sys, rla_jax.curator; '
           'assert "jax" not in sys.modules, "jax imported"')
   subprocess.run([sys.executable, '-c', code], check=True)
+
+
+def test_discard_pending_logs_and_clears():
+  pool = with_pending(curator.build_pool(specs(2)), 't1', EASIER, 0.0)
+  new_pool, events = curator.discard_pending(pool, 5)
+  assert all(t.pending is None for t in new_pool)
+  assert [e['reason'] for e in events] == ['discarded']
+  assert events[0]['task_id'] == 't1' and events[0]['epoch'] == 5
+  assert new_pool[1].history == events and new_pool[1].version == 0
+  assert pool[1].pending is not None  # input untouched

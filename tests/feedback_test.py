@@ -19,7 +19,8 @@ from rla_jax import structs
 def make_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       lam=1.0, eps=1e-8, singleton='raw', parse_penalty=-2.0,
-      policy_acc_low=1 / 8, policy_acc_high=7 / 8, rm_acc_low=0.2,
+      policy_filter='band', policy_acc_low=1 / 8, policy_acc_high=7 / 8,
+      rm_acc_low=0.2,
       rm_acc_high=0.8))
   config.update(overrides)
   return config
@@ -191,6 +192,42 @@ def test_policy_band_filter_is_inclusive_and_exclude_is_honoured():
   assert stats['feedback/policy_groups_used'] == 5
 
 
+def test_mixed_filter_is_some_but_not_all_ok_rollouts_won():
+  def group(task, wins, size, errors=0):
+    out = [rollout(task, r, 1.0 if r < wins else -1.0,
+                   [[1 if r % 2 else -1]]) for r in range(size)]
+    out += [rollout(task, size + e, 1.0, [[1]], status=structs.ERROR)
+            for e in range(errors)]
+    return out
+  trajs, judgments = build(
+      *group('one_of_16', 1, 16),  # acc 1/16 < 1/8: the band drops it
+      *group('eight_of_9', 8, 9),  # acc 8/9 > 7/8: the band drops it
+      *group('all_ok_won', 2, 2, errors=2),  # every ok rollout won
+      *group('none', 0, 4),
+      *group('half', 2, 4, errors=1),
+  )
+  _, _, stats = feedback.integrate(trajs, judgments,
+                                   make_config(policy_filter='mixed'))
+  assert stats['feedback/policy_groups_used'] == 3
+  assert stats['feedback/policy_groups_filtered'] == 2
+  _, _, stats = feedback.integrate(trajs, judgments, make_config())
+  assert stats['feedback/policy_groups_used'] == 1  # only 'half'
+  with pytest.raises(ValueError, match='policy_filter'):
+    feedback.integrate(trajs, judgments, make_config(policy_filter='some'))
+
+
+def test_examples_carry_keys_and_sampler_logprobs():
+  trajs, judgments = build(rollout('a', 0, 1.0, [[1, -1]]),
+                           rollout('a', 1, -1.0, [[1, -1]]))
+  policy, rm, _ = feedback.integrate(trajs, judgments,
+                                     make_config(policy_filter='mixed',
+                                                 rm_acc_low=0.0))
+  assert sorted(e.key for e in policy) == ['a/active/0/0', 'a/active/1/0']
+  assert all(e.logprobs == [0.0] for e in policy)
+  assert sorted(e.key for e in rm) == ['a/active/0/0/0', 'a/active/0/0/1',
+                                       'a/active/1/0/0', 'a/active/1/0/1']
+
+
 def test_error_trajectories_are_left_out_of_everything():
   good = [rollout('a', 0, 1.0, [[1, 1, 1]]),
           rollout('a', 1, -1.0, [[-1, -1, 1]])]
@@ -288,15 +325,17 @@ def test_rm_metrics():
   # Outcome: rollout 0 mean +1/2 (right), 1 mean +1/3 (wrong), 2 mean 0.
   assert metrics['rm/outcome_acc'] == pytest.approx(1 / 3)
   assert metrics['rm/outcome_count'] == 3
-  # Process proxy (label = O), steps (rollout, k):
-  # (0,0) y, (0,1) y, (1,0) n, (1,1) y, (2,0) n.
-  assert metrics['rm/process_acc'] == pytest.approx(3 / 5)
+  # Agreement with the outcome per step (rollout, k), not the paper's
+  # Process Acc: (0,0) y, (0,1) y, (1,0) n, (1,1) y, (2,0) n.
+  assert metrics['rm/outcome_agreement'] == pytest.approx(3 / 5)
+  assert 'rm/process_acc' not in metrics  # no step labels
   assert metrics['rm/p_plus'] == pytest.approx(4 / 6)
   assert metrics['rm/p_minus'] == pytest.approx(3 / 9)
   assert metrics['rm/mu'] == pytest.approx(1.0)
   assert metrics['judge/parse_fail_rate'] == pytest.approx(2 / 18)
-  labels = {('a', 'active', 0, 0): -1, ('a', 'active', 1, 1): -1}
-  metrics = feedback.rm_metrics(trajs, judgments, step_labels=labels)
+  trajs[0].info['step_labels'] = [-1, None]  # (0,0) verdict +1: wrong
+  trajs[1].info['step_labels'] = [None, -1]  # (1,1) verdict -1: right
+  metrics = feedback.rm_metrics(trajs, judgments)
   assert metrics['rm/process_acc'] == pytest.approx(1 / 2)
   assert metrics['rm/process_count'] == 2
   assert math.isnan(feedback.rm_metrics([], [])['rm/outcome_acc'])

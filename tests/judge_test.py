@@ -45,6 +45,15 @@ def test_last_boxed(text, expected):
     (r'\boxed{-1} on second thought \boxed{1}', 1),
     (r'\boxed{1} on second thought \boxed{-1} because ...', -1),
     (r'\boxed{\boxed{-1}}', -1),
+    # A spaced sign is a sign (it used to parse as +1).
+    (r'\boxed{- 1}', -1),
+    (r'\boxed{-\,1}', -1),
+    ('\\boxed{\u2212  1}', -1),
+    (r'\boxed{+ 1}', 1),
+    (r'\boxed{- 1.0}', -1),
+    (r'\boxed{-~1}', -1),
+    (r'\boxed{Score: - 1}', -1),
+    (r'\boxed{-\quad 1}', -1),
 ])
 def test_parse_score(text, expected):
   assert judge.parse_score(text) == expected

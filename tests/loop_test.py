@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from rla_jax import checkpoint
@@ -62,7 +64,9 @@ def test_two_epochs_write_events_pool_and_checkpoint(two_epochs):
   steps = _read_tb_scalars(workdir, 'rollout/accuracy')
   assert [s for s, _ in steps] == [1, 2]
   for key in ('policy/loss', 'policy/kl', 'curator/pool_difficulty',
-              'time/rollout_s', 'judge/parse_fail_rate', 'eval/accuracy'):
+              'time/rollout_s', 'judge/parse_fail_rate', 'eval/eval/accuracy',
+              'eval/eval/rm_outcome_acc', 'eval/eval/rm_process_acc',
+              'rollout/prompt_cut_frac', 'judge/prompt_cut_frac'):
     assert key in last, key
   pool = curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))
   assert len(pool) == 12
@@ -165,3 +169,125 @@ def test_environment_errors_become_error_trajectories(tmp_path):
   assert last['rollout/errors'] == last['rollout/trajectories'] > 0
   assert last['feedback/error_trajectories'] == last['rollout/errors']
   assert last['policy/examples'] == 0
+
+
+# ---- method fidelity at the seams between stages ---------------------------
+
+
+@pytest.fixture(scope='module')
+def one_try_run(tmp_path_factory):
+  """configs/tiny.py, 3 epochs, rewrites get one epoch to be measured.
+
+  Also records the seed of every environment-LLM sampler call.
+  """
+  workdir = str(tmp_path_factory.mktemp('one_try'))
+  config = tiny.get_config()
+  config.curator.pending_max_tries = 1
+  seeds = []
+  complete = loop.chat.complete
+
+  def recording(model, tokenizer, messages, *, sampling, **kwargs):
+    if sampling is config.curator.sampling:
+      seeds.append(kwargs['seed'])
+    return complete(model, tokenizer, messages, sampling=sampling, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(loop.chat, 'complete', recording)
+    loop.run(config, workdir)
+  return workdir, seeds
+
+
+def test_rewrites_are_measured_in_the_epoch_after_they_are_made(one_try_run):
+  # Judging pending rewrites before they were rolled out made every one of
+  # them 'unmeasured' with pending_max_tries=1 (and nothing was ever accepted).
+  workdir, _ = one_try_run
+  events = [e for t in curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))
+            for e in t.history]
+  assert events
+  assert {e['reason'] for e in events} & {'accepted', 'rejected'}
+  assert all(e['reason'] != 'unmeasured' for e in events)
+  for e in events:
+    assert e['epoch'] == e['created_epoch'] + 1
+  rows = [r for r in _scalars(workdir) if 'curator/undecided' in r]
+  assert all(r['curator/undecided'] == 0 for r in rows)
+
+
+def test_every_environment_llm_call_draws_its_own_stream(one_try_run):
+  _, seeds = one_try_run
+  assert len(seeds) >= 2
+  assert len(set(seeds)) == len(seeds)
+
+
+def test_disabled_curator_discards_pending_rewrites(tmp_path):
+  workdir = str(tmp_path)
+  config = tiny.get_config()
+  config.loop.num_epochs = 1
+  config.eval.every = 0
+  loop.run(config, workdir)
+  pending = [t.task_id for t in curator.load_jsonl(
+      os.path.join(workdir, 'pool.jsonl')) if t.pending is not None]
+  assert pending  # epoch 1 left rewrites to be measured in epoch 2
+  config = tiny.get_config('policy_reward')  # curator off, same workdir
+  config.loop.num_epochs = 2
+  config.eval.every = 0
+  last = loop.run(config, workdir)
+  assert last['curator/discarded'] == len(pending)
+  pool = curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))
+  assert all(t.pending is None for t in pool)
+  discarded = [e for t in pool for e in t.history if e['reason'] ==
+               'discarded']
+  assert sorted(e['task_id'] for e in discarded) == sorted(pending)
+  # Only active versions were rolled out: 4 tasks x 4 rollouts.
+  assert last['rollout/trajectories'] == 16
+
+
+def test_initial_kl_reference_stays_frozen(tmp_path):
+  config = tiny.get_config()
+  config.train.policy.kl_reference = 'initial'
+  config.eval.every = 0
+  run = loop._setup(config, str(tmp_path))  # pylint: disable=protected-access
+  with loop.sharding.use(run.mesh, run.rules):
+    initial = jax.tree.map(np.asarray, run.ref_params['policy'])
+    for epoch in (1, 2):
+      values = loop._epoch(run, epoch)  # pylint: disable=protected-access
+  assert 'reward_model' not in run.ref_params
+  after = jax.tree.map(np.asarray, run.ref_params['policy'])
+  jax.tree.map(np.testing.assert_array_equal, after, initial)
+  trained = jax.tree.map(np.asarray, run.states['policy'].params)
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(trained), jax.tree.leaves(initial)))
+  assert values['policy/kl'] > 0
+  run.executor.shutdown()
+  run.writer.close()
+
+
+def test_training_limits_follow_the_sampler_and_shorter_ones_fail(tmp_path):
+  config = tiny.get_config()
+  config.train.reward_model.max_prompt_len = 0
+  assert loop.train_limits(config, 'reward_model') == (256, 8)  # response: its own 8
+  config.train.reward_model.max_prompt_len = 128
+  with pytest.raises(ValueError, match=(
+      r'config.train.reward_model.max_prompt_len=128: shorter than '
+      r'config.judge.sampling.max_prompt_len=256')):
+    loop.validate(config)
+  config = tiny.get_config()
+  config.train.policy.max_response_len = 2
+  with pytest.raises(ValueError, match=(
+      r'config.train.policy.max_response_len=2: shorter than '
+      r'config.rollout.sampling.max_new_tokens=4')):
+    loop.validate(config)
+  config = tiny.get_config()
+  config.curator.pending_max_tries = 0
+  with pytest.raises(ValueError, match='curator.pending_max_tries=0'):
+    loop.validate(config)
+
+
+def test_base_config_uses_the_authors_stop_strings():
+  from configs import base  # pylint: disable=g-import-not-at-top
+  config = base.get_config()
+  for section in (config.rollout, config.judge, config.curator):
+    assert '<|im_end|>' in section.sampling.stop_strings
+    assert 'User:' in section.sampling.stop_strings
+  # The base limits train on what was sampled (0 = the sampler's).
+  assert loop.train_limits(config, 'policy') == (2048, 2000)
+  assert loop.train_limits(config, 'reward_model') == (4096, 4000)

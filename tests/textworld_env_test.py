@@ -10,6 +10,7 @@ import ml_collections
 import pytest
 
 from rla_jax import structs
+from rla_jax import truncation
 from rla_jax.envs import base
 from rla_jax.envs import textworld as tw
 
@@ -36,6 +37,12 @@ OBS = tw.render_observation('-= Kitchen =-\nA fridge.',
 @pytest.fixture(scope='module')
 def env(tmp_path_factory):
   return tw.TextWorldEnv(str(tmp_path_factory.mktemp('games')), max_turns=4)
+
+
+def request(spec, direction, critiques=(), acc=0.5):
+  return base.RewriteRequest(spec=spec, root=spec, direction=direction,
+                             acc_old=acc, critiques=list(critiques),
+                             trajectories=[], judgments=[])
 
 
 def fake_generate(completions):
@@ -211,7 +218,7 @@ def test_generation_is_deterministic_and_cached(env, tmp_path):
 
 @needs_textworld
 def test_walkthrough_wins(env):
-  episode = env.make_episode(TWO, seed=0)
+  episode = env.make_episode(TWO, seed=0, max_turns=env.max_turns)
   obs = episode.reset()
   commands = tw.split_observation(obs)[1]
   walkthrough = env.game(TWO)['walkthrough']
@@ -219,6 +226,7 @@ def test_walkthrough_wins(env):
   results = [episode.step(c) for c in walkthrough]
   episode.close()
   assert [r[1:] for r in results] == [(False, None), (True, 1.0)]
+  assert episode.info['step_labels'] == [1, 1]  # the expert's own actions
   assert 'The End' in results[-1][0]
   with pytest.raises(RuntimeError):
     episode.step('look')
@@ -226,17 +234,31 @@ def test_walkthrough_wins(env):
 
 @needs_textworld
 def test_out_of_turns_loses(env):
-  episode = env.make_episode(TWO, seed=0)
+  episode = env.make_episode(TWO, seed=0, max_turns=env.max_turns)
   episode.reset()
   results = [episode.step('look') for _ in range(env.max_turns)]
   episode.close()
+  assert episode.info['step_labels'] == [-1] * env.max_turns  # no progress
   assert [r[1:] for r in results[:-1]] == [(False, None)] * 3
   assert results[-1][1:] == (True, -1.0)
+  # Undoing progress is not progress: drop the key the quest needs.
+  episode = env.make_episode(TWO, seed=0, max_turns=5)
+  episode.reset()
+  for command in ('take latchkey', 'drop latchkey', 'take latchkey',
+                  'unlock safe with latchkey'):
+    episode.step(command)
+  episode.close()
+  assert episode.info['step_labels'] == [1, -1, 1, 1]
+  # Evaluation may give episodes another turn budget.
+  episode = env.make_episode(TWO, seed=0, max_turns=2)
+  episode.reset()
+  assert [episode.step('look')[1] for _ in range(2)] == [False, True]
+  episode.close()
 
 
 @needs_textworld
 def test_policy_messages(env):
-  episode = env.make_episode(TWO, seed=0)
+  episode = env.make_episode(TWO, seed=0, max_turns=env.max_turns)
   first = episode.reset()
   action = env.game(TWO)['walkthrough'][0]
   second, _, _ = episode.step(action)
@@ -249,6 +271,12 @@ def test_policy_messages(env):
   assert f'Action: {action}' in content
   assert content.count(tw.split_observation(first)[0]) == 1  # history text
   assert content.count('Admissible actions:') == 1  # only the current list
+  # The history is the part a too-long prompt may lose; the task, the
+  # current observation and the instruction are not.
+  history = content[content.index(truncation.CUT_BEGIN):
+                    content.index(truncation.CUT_END)]
+  assert f'Action: {action}' in history and 'Task:' not in history
+  assert 'Current observation' not in history
   for i, command in enumerate(tw.split_observation(second)[1], 1):
     assert f'{i}. {command}' in content
   assert 'chosen action inside \\boxed{}, exactly as listed' in content
@@ -271,12 +299,11 @@ def test_rewrite_accepts_first_valid_proposal(env):
       'no numbers here', '\\boxed{1, 1, 1}', '\\boxed{2, 3, 9}',
       'Longer quest: \\boxed{2, 3, 3}', '\\boxed{3, 4, 4}'])
   critiques = ['The agent kept looking around.', 'It never opened the door.']
-  spec = dict(TWO, acc=0.875)
-  new = env.rewrite(spec, structs.HARDER, critiques, generate, attempts=5)
+  new = env.rewrite(request(TWO, structs.HARDER, critiques, acc=0.875),
+                    generate, attempts=5)
   assert tw.knobs(new) == (2, 3, 3)
   assert new['root_id'] == 'two' and new['version'] == 1
   assert new['id'].startswith('two.v1-') and new['seed'] == TWO['seed']
-  assert 'acc' not in new
   assert env.game(new)['walkthrough']  # smoke-tested and cached
   assert len(prompts) == 5
   for i, prompt in enumerate(prompts, 1):
@@ -292,7 +319,7 @@ def test_rewrite_easier_with_prefix(env):
   env.rewrite_prefix = 'New numbers: \\boxed{'
   generate, prompts = fake_generate(['1, 3, 1}'])
   try:
-    new = env.rewrite(TWO, structs.EASIER, [], generate, attempts=1)
+    new = env.rewrite(request(TWO, structs.EASIER), generate, attempts=1)
   finally:
     env.rewrite_prefix = ''
   assert tw.knobs(new) == (1, 3, 1)
@@ -305,10 +332,12 @@ def test_rewrite_rejects_invalid_proposals(env):
   generate, prompts = fake_generate(
       ['\\boxed{1, 2, 1}', '\\boxed{2, 3, 2}', 'nothing', '\\boxed{7, 3, 2}'])
   with pytest.raises(base.RewriteRejected, match='wrong direction'):
-    env.rewrite(TWO, structs.HARDER, ['It got lost.'], generate, attempts=4)
+    env.rewrite(request(TWO, structs.HARDER, ['It got lost.']), generate,
+                attempts=4)
   assert all('It got lost.' in p for p in prompts)
   with pytest.raises(base.RewriteRejected, match='no completions'):
-    env.rewrite(TWO, structs.EASIER, [], fake_generate([])[0], attempts=2)
+    env.rewrite(request(TWO, structs.EASIER), fake_generate([])[0],
+                attempts=2)
 
 
 @needs_textworld
@@ -316,7 +345,7 @@ def test_concurrent_episodes(env):
   specs = [EASY, TWO] * 3
 
   def play(spec):
-    episode = env.make_episode(spec, seed=0)
+    episode = env.make_episode(spec, seed=0, max_turns=env.max_turns)
     try:
       episode.reset()
       outcome = None

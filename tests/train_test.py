@@ -46,7 +46,7 @@ def train_config(**overrides):
       prompt_buckets=(12,), response_buckets=(16,), clip_eps=0.2,
       kl_coef=0.01, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=True, head_chunk=64,
-      remat=False, shuffle=False, seed=0)
+      remat=False, shuffle=False, seed=0, logprob_gap_warn=0.05)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 
@@ -384,3 +384,28 @@ def test_bad_settings_are_rejected():
     train.Trainer(MODEL, optim_config(), train_config(overlong_prompt='cut'))
   with pytest.raises(ValueError, match='kind'):
     train.Trainer(MODEL, optim_config(), train_config(), kind='critic')
+
+
+def test_logprob_gap_between_sampler_and_trainer(trainer, params, caplog):
+  state = trainer.init_state(params)
+  exs = examples(8, seed=9)
+  batch = batching.pack(exs, micro_batch_size=8, prompt_buckets=(12,),
+                        response_buckets=(16,))
+  old_NxR = np.asarray(trainer.logprobs(state.params, batch)).reshape(8, 16)
+  # What a sampler with the trainer's numerics would have recorded.
+  exact = [dataclasses.replace(e, logprobs=old_NxR[i, :len(
+      e.response_tokens)].tolist()) for i, e in enumerate(exs)]
+  state, metrics = train.update(trainer, state, exact, epoch=0)
+  assert metrics['logprob_gap_mean'] < 1e-6
+  assert not [r for r in caplog.records if 'log-probs differ' in r.message]
+  # A sampler that is off by 0.5 nat on every token is flagged.
+  shifted = [dataclasses.replace(e, logprobs=[p - 0.5 for p in e.logprobs])
+             for e in exact]
+  state = trainer.init_state(params)
+  _, metrics = train.update(trainer, state, shifted, epoch=1)
+  assert metrics['logprob_gap_mean'] == pytest.approx(0.5, abs=1e-5)
+  assert metrics['logprob_gap_max'] == pytest.approx(0.5, abs=1e-5)
+  assert [r for r in caplog.records if 'log-probs differ' in r.message]
+  # Examples without sampler log-probs report no gap.
+  _, metrics = train.update(trainer, trainer.init_state(params), exs, epoch=2)
+  assert 'logprob_gap_mean' not in metrics

@@ -8,6 +8,7 @@ step on text actions, the prompts the policy and the reward model see, and a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from typing import Any, Protocol
 
 # Text in, text out: the environment LLM (prompts -> completions).
@@ -18,8 +19,29 @@ class RewriteRejected(Exception):
   """The environment could not turn the LLM's proposals into a valid task."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RewriteRequest:
+  """What the curator knows when it asks for a harder or easier task.
+
+  Each setting chooses what to build from: AlfWorld rewrites the root game
+  (RLANYTHING.md 3.7), coding shows the root as the anchor (5.8).
+  """
+
+  spec: dict[str, Any]  # the slot's active version (what was rolled out)
+  root: dict[str, Any]  # the slot's version 0
+  direction: str  # structs.HARDER | structs.EASIER
+  acc_old: float  # measured accuracy of `spec` this epoch
+  critiques: Sequence[str]  # the environment LLM's notes on failures
+  trajectories: Sequence[Any]  # this epoch's rollouts of `spec`
+  judgments: Sequence[Any]  # the RM's judgments of those rollouts
+
+
 class Episode(Protocol):
-  """One play-through of one task spec; not shared between threads."""
+  """One play-through of one task spec; not shared between threads.
+
+  An episode may also have an `info` dict attribute (JSON-able facts about
+  the play-through); the rollout copies it into `Trajectory.info`.
+  """
 
   def reset(self) -> str:
     """Starts the episode; returns the first observation."""
@@ -38,13 +60,21 @@ class Episode(Protocol):
 class Environment(Protocol):
   """A setting: task source, episodes, prompt rendering, task rewriting."""
 
-  max_turns: int
+  max_turns: int  # policy turns per training episode
 
   def tasks(self, split: str) -> list[dict[str, Any]]:
-    """Task specs of a split ('train' or 'eval'); each has a unique 'id'."""
+    """Task specs of a split: 'train' or one of the setting's evaluation
+    splits (config.eval.splits); each spec has a unique 'id'."""
 
-  def make_episode(self, spec: dict[str, Any], seed: int) -> Episode:
-    """A fresh episode of `spec`."""
+  def make_episode(self, spec: dict[str, Any], seed: int,
+                   max_turns: int) -> Episode:
+    """A fresh episode of `spec` that ends (lost) after `max_turns` turns.
+
+    Training uses `max_turns`; evaluation its own budget (the paper's
+    AlfWorld: 40 and 60). An episode whose environment knows which actions
+    progress puts `step_labels` (+1 / -1 / None per step) in its `info`, for
+    the RM's process accuracy.
+    """
 
   def policy_messages(self, spec: dict[str, Any],
                       turns: Sequence[tuple[str, str]],
@@ -72,7 +102,6 @@ class Environment(Protocol):
   def difficulty(self, spec: dict[str, Any]) -> float:
     """A scalar difficulty for metrics (higher is harder)."""
 
-  def rewrite(self, spec: dict[str, Any], direction: str,
-              critiques: Sequence[str], generate: GenerateFn,
+  def rewrite(self, request: RewriteRequest, generate: GenerateFn,
               attempts: int) -> dict[str, Any]:
-    """A harder/easier version of `spec`; raises RewriteRejected."""
+    """A harder/easier version of `request.spec`; raises RewriteRejected."""

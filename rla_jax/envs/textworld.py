@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 
 from rla_jax import structs
+from rla_jax import truncation
 from rla_jax.envs import base
 
 KNOBS = ('nb_rooms', 'nb_objects', 'quest_length')
@@ -161,7 +162,12 @@ def _strip_chat_markup(text: str) -> str:
 
 
 class TextWorldEpisode:
-  """One play-through of a compiled game; owns its own TextWorld env."""
+  """One play-through of a compiled game; owns its own TextWorld env.
+
+  `info['step_labels']`: +1 for a step that wins or shortens TextWorld's
+  winning plan from the state it was taken in (the game's own planner,
+  `policy_commands`), else -1; the RM's process accuracy is measured on them.
+  """
 
   def __init__(self, path: str, max_turns: int):
     self._path = path
@@ -169,17 +175,21 @@ class TextWorldEpisode:
     self._env = None
     self._turn = 0
     self._done = False
+    self._plan_len = 0
+    self.info = {'step_labels': []}
 
   def reset(self) -> str:
     textworld = _textworld()
     infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True,
                                objective=True, description=True,
-                               feedback=True)
+                               feedback=True, policy_commands=True)
     self.close()
     with _TEXTWORLD_LOCK:
       self._env = textworld.start(self._path, request_infos=infos)
       state = self._env.reset()
     self._turn, self._done = 0, False
+    self._plan_len = len(state.policy_commands or ())
+    self.info = {'step_labels': []}
     return render_observation(clean_text(state.description),
                               state.admissible_commands)
 
@@ -188,6 +198,10 @@ class TextWorldEpisode:
       raise RuntimeError('step() before reset() or after the episode ended')
     state, _, _ = self._env.step(action)
     self._turn += 1
+    plan_len = len(state.policy_commands or ())
+    progressed = state.won or plan_len < self._plan_len
+    self.info['step_labels'].append(1 if progressed else -1)
+    self._plan_len = plan_len
     text = clean_text(state.feedback)
     if state.won or state.lost or self._turn >= self._max_turns:
       self._done = True
@@ -204,8 +218,9 @@ class TextWorldEnv:
   """Generated TextWorld games (see the module docstring and base.py).
 
   Specs: {'id', 'root_id', 'seed', 'nb_rooms', 'nb_objects', 'quest_length'},
-  optionally 'version' (rewrite depth) and 'acc' (the accuracy the curator
-  measured; shown in the rewrite prompt).
+  optionally 'version' (rewrite depth). Rewrites compound from the active
+  version (its knobs are the starting point); the prompt shows the measured
+  win rate.
   """
 
   def __init__(self, game_dir: str, *, max_turns: int = 8,
@@ -359,9 +374,10 @@ class TextWorldEnv:
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
 
-  def make_episode(self, spec: dict[str, Any], seed: int) -> TextWorldEpisode:
+  def make_episode(self, spec: dict[str, Any], seed: int,
+                   max_turns: int) -> TextWorldEpisode:
     del seed  # TextWorld games are deterministic; the policy samples.
-    return TextWorldEpisode(self.game(spec)['path'], self.max_turns)
+    return TextWorldEpisode(self.game(spec)['path'], max_turns)
 
   # Prompts and parsing.
 
@@ -378,9 +394,10 @@ class TextWorldEnv:
       lines.append('Previous steps:')
       if len(shown) < len(turns):
         lines.append(f'({len(turns) - len(shown)} earlier steps omitted)')
-      for old_observation, action in shown:
-        lines.append(f'Observation: {split_observation(old_observation)[0]}')
-        lines.append(f'Action: {action}')
+      # The history may lose its oldest tokens when the prompt is too long.
+      lines.append(truncation.cuttable('\n'.join(
+          f'Observation: {split_observation(old_observation)[0]}\n'
+          f'Action: {action}' for old_observation, action in shown)))
       lines.append('')
     lines.append(f'Current observation:\n{observation}')
     lines.append('')
@@ -460,7 +477,7 @@ class TextWorldEnv:
     return quest + 0.2 * (rooms - 1) + 0.05 * objects
 
   def rewrite_prompt(self, spec: dict[str, Any], direction: str,
-                     critiques: Sequence[str]) -> str:
+                     critiques: Sequence[str], acc: float) -> str:
     """The environment LLM's prompt, without the attempt suffix."""
     rooms, objects, quest = knobs(spec)
     max_rooms, max_objects, max_quest = self.max_knobs
@@ -473,12 +490,12 @@ class TextWorldEnv:
         f'{quest}, written as \\boxed{{{rooms}, {objects}, {quest}}}.',
         f'Its objective: {clean_text(self.game(spec)["objective"])}',
     ]
-    if spec.get('acc') is not None:
-      lines.append(f'The agent won {float(spec["acc"]):.0%} of its attempts.')
+    lines.append(f'The agent won {acc:.0%} of its attempts.')
     lines += ['', 'Why the agent failed (critic summaries):']
     shown = [c.strip() for c in critiques if c and c.strip()]
     shown = shown[:self.max_critiques]
-    lines += [f'{i}. {c}' for i, c in enumerate(shown, 1)] or ['(none)']
+    lines += [truncation.cuttable('\n'.join(
+        f'{i}. {c}' for i, c in enumerate(shown, 1)))] if shown else ['(none)']
     if direction == structs.HARDER:
       goal = ('HARDER: no number may go down and at least one must go up (a '
               'longer quest, more rooms to explore, more distracting objects).')
@@ -503,13 +520,18 @@ class TextWorldEnv:
       moved = all(n <= o for n, o in zip(new, old)) and new != old
     return None if moved else 'wrong direction'
 
-  def rewrite(self, spec: dict[str, Any], direction: str,
-              critiques: Sequence[str], generate: base.GenerateFn,
+  def rewrite(self, request: base.RewriteRequest, generate: base.GenerateFn,
               attempts: int) -> dict[str, Any]:
-    """First proposal that moves the knobs the right way and plays to a win."""
+    """First proposal that moves the knobs the right way and plays to a win.
+
+    Starts from the active version (rewrites compound), as the authors'
+    coding setting does; the root is the lineage's `root_id`.
+    """
+    spec, direction = request.spec, request.direction
     if direction not in (structs.HARDER, structs.EASIER):
       raise ValueError(f'unknown direction {direction!r}')
-    prompt = self.rewrite_prompt(spec, direction, critiques)
+    prompt = self.rewrite_prompt(spec, direction, request.critiques,
+                                 request.acc_old)
     prompts = [f'{prompt}\n(Attempt {i}/{attempts})\n{self.rewrite_prefix}'
                for i in range(1, attempts + 1)]
     completions = generate(prompts)

@@ -24,6 +24,7 @@ from typing import Any
 
 from rla_jax import boxed
 from rla_jax import structs
+from rla_jax import truncation
 from rla_jax.envs import base
 
 ALPHABET = ('abcdefghijklmnopqrstuvwxyz' 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'
@@ -67,13 +68,18 @@ def success_probability(modulus: int, stages: int, turns: int) -> float:
 
 
 class LockEpisode:
-  """One play-through of a lock task."""
+  """One play-through of a lock task.
+
+  `info['step_labels']` says per step whether it opened a dial (+1) or not
+  (-1): the true process labels of this toy task.
+  """
 
   def __init__(self, spec: dict[str, Any], max_turns: int):
     self.spec = spec
     self.max_turns = max_turns
     self.stage = 0
     self.turn = 0
+    self.info = {'step_labels': []}
 
   def _prompt(self) -> str:
     return (f'dial {self.stage + 1} of {self.spec["stages"]}, '
@@ -91,6 +97,7 @@ class LockEpisode:
         ord(symbol) % self.spec['modulus'] == _residue(self.spec, self.stage))
     if opened:
       self.stage += 1
+    self.info['step_labels'].append(1 if opened else -1)
     if self.stage == self.spec['stages']:
       return 'the lock opens.', True, 1.0
     if self.turn == self.max_turns:
@@ -127,15 +134,17 @@ class TinyEnv:
                     'stages': lo_s + h[3] % (hi_s - lo_s + 1)})
     return specs
 
-  def make_episode(self, spec: dict[str, Any], seed: int) -> LockEpisode:
+  def make_episode(self, spec: dict[str, Any], seed: int,
+                   max_turns: int) -> LockEpisode:
     del seed  # the lock is deterministic; randomness comes from the policy
     if spec['id'] in self._fail_task_ids:
       return _BrokenEpisode()
-    return LockEpisode(spec, self.max_turns)
+    return LockEpisode(spec, max_turns)
 
   def policy_messages(self, spec, turns, observation):
-    lines = [f'{obs} you said: {act[:1]!r}' for obs, act in turns]
-    text = '\n'.join(lines + [observation, 'name one symbol.'])
+    lines = [f'{obs} you said: {act[:1]!r}\n' for obs, act in turns]
+    text = (truncation.cuttable(''.join(lines)) + observation +
+            '\nname one symbol.')
     return [{'role': 'user', 'content': text}]
 
   def parse_action(self, response: str, observation: str) -> str:
@@ -165,11 +174,15 @@ class TinyEnv:
         self.difficulty(spec))
     return change > 0 if direction == structs.HARDER else change < 0
 
-  def rewrite(self, spec, direction, critiques, generate, attempts):
+  def rewrite(self, request: base.RewriteRequest, generate, attempts):
+    """Moves the active lock one notch (rewrites compound from it)."""
+    spec, direction = request.spec, request.direction
     step = 1 if direction == structs.HARDER else -1
-    prompt = (f'make this task {direction}: {self.describe(spec)}.\n'
-              'failures:\n' + '\n'.join(f'- {c}' for c in critiques) +
-              '\nanswer \\boxed{modulus,stages}.')
+    prompt = (f'make this task {direction}: {self.describe(spec)}; the agent '
+              f'won {request.acc_old:.0%} of its tries.\nfailures:\n' +
+              truncation.cuttable(
+                  ''.join(f'- {c}\n' for c in request.critiques)) +
+              'answer \\boxed{modulus,stages}.')
     completions = generate([f'{prompt} (attempt {i + 1}/{attempts})'
                             for i in range(attempts)])
     for text in completions:
