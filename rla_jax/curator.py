@@ -124,6 +124,19 @@ def accept(direction: str, acc_old: float, acc_new: float, alpha_low: float,
   raise ValueError(f'unknown direction {direction!r}')
 
 
+def _event(task: structs.Task, epoch: int, acc_new: float | None,
+           accepted: bool, reason: str, version: int) -> dict[str, Any]:
+  """The lineage record of a decision on the slot's pending rewrite."""
+  pending = task.pending
+  return {
+      'task_id': task.task_id, 'epoch': epoch, 'created_epoch': pending.epoch,
+      'direction': pending.direction, 'acc_old': pending.acc_old,
+      'acc_new': acc_new, 'accepted': accepted, 'reason': reason,
+      'version': version, 'spec': copy.deepcopy(pending.spec),
+      'critiques': list(pending.critiques),
+  }
+
+
 def judge_pending(
     pool: Sequence[structs.Task], accuracy: Accuracy, epoch: int, config
 ) -> tuple[list[structs.Task], list[dict[str, Any]], dict[str, float]]:
@@ -159,13 +172,7 @@ def judge_pending(
                         config.alpha_low, config.alpha_high)
       reason = 'accepted' if accepted else 'rejected'
     version = task.version + 1 if accepted else task.version
-    event = {
-        'task_id': task.task_id, 'epoch': epoch, 'created_epoch': pending.epoch,
-        'direction': pending.direction, 'acc_old': pending.acc_old,
-        'acc_new': acc_new, 'accepted': accepted, 'reason': reason,
-        'version': version, 'spec': copy.deepcopy(pending.spec),
-        'critiques': list(pending.critiques),
-    }
+    event = _event(task, epoch, acc_new, accepted, reason, version)
     events.append(event)
     new_pool.append(dataclasses.replace(
         task, active=copy.deepcopy(pending.spec) if accepted else task.active,
@@ -191,17 +198,10 @@ def discard_pending(
   """
   new_pool, events = [], []
   for task in pool:
-    pending = task.pending
-    if pending is None:
+    if task.pending is None:
       new_pool.append(task)
       continue
-    event = {
-        'task_id': task.task_id, 'epoch': epoch, 'created_epoch': pending.epoch,
-        'direction': pending.direction, 'acc_old': pending.acc_old,
-        'acc_new': None, 'accepted': False, 'reason': 'discarded',
-        'version': task.version, 'spec': copy.deepcopy(pending.spec),
-        'critiques': list(pending.critiques),
-    }
+    event = _event(task, epoch, None, False, 'discarded', task.version)
     events.append(event)
     new_pool.append(dataclasses.replace(
         task, history=[*task.history, event], pending=None))
