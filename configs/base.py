@@ -131,6 +131,9 @@ def get_config() -> ml_collections.ConfigDict:
       sampling=sampling_section(max_new_tokens=4000, max_prompt_len=4096),
   )
   config.feedback = dict(
+      mode='steps',  # 'steps': the RM judges every step, integrated
+                     # feedback (agents) | 'unit_tests': the RM writes unit
+                     # tests run on every program (coding, RLANYTHING.md 5)
       lam=1.0,  # R = O + lam * mean_j S_j; 0 = outcome-only GRPO
       eps=1e-8,  # std below this -> advantage 0
       singleton='zero',  # one rollout at a step index: 'zero' | 'raw' (B11)
@@ -142,9 +145,15 @@ def get_config() -> ml_collections.ConfigDict:
       policy_acc_high=0.875,
       rm_acc_low=0.2,  # RM data only from tasks in this band
       rm_acc_high=0.8,
+      unit_test_reward='gt',  # mode 'unit_tests': the policy's reward is the
+                              # GT pass ratio ('gt', the authors) or plus lam
+                              # x the share of correct-looking RM tests passed
+                              # ('integrated', the paper's claim, B5)
   )
   config.curator = dict(
       enabled=True,
+      critiques=True,  # the env LLM explains failed rollouts for rewrites
+                       # (coding: the tests' pass rates are the critique)
       alpha_low=0.2,  # acc <= alpha_low -> easier
       alpha_high=0.8,  # acc >= alpha_high -> harder
       rewrite_attempts=8,  # env-LLM proposals per rewrite

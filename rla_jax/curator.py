@@ -327,8 +327,11 @@ def request_rewrites(
   equal to the active spec.
   """
   fired = triggers(pool, accuracy, config.alpha_low, config.alpha_high)
-  notes, stats = critiques(pool, fired, env, trajectories, judgments, generate,
-                           config.critique_max_chars)
+  if config.critiques:
+    notes, stats = critiques(pool, fired, env, trajectories, judgments,
+                             generate, config.critique_max_chars)
+  else:
+    notes, stats = {task_id: [] for task_id in fired}, {}
   stats.update({
       'curator/triggered_harder': sum(
           d == structs.HARDER for d in fired.values()),

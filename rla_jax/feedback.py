@@ -1,6 +1,7 @@
 """Integrated feedback for the policy, consistency reward for the reward model.
 
-Host-side numpy on the structs of one epoch (RLANYTHING.md 1, 3.5, 3.6). A
+Host-side numpy on the structs of one epoch (RLANYTHING.md 1, 3.5, 3.6; the
+coding setting's unit-test rewards, 5.6-5.7, at the end). A
 group is the set of rollouts of one task version, `(task_id, source)`; a step
 key is `(task_id, source, rollout, step)`.
 """
@@ -17,6 +18,8 @@ from rla_jax import structs
 Group = tuple[str, str]
 StepKey = tuple[str, str, int, int]
 
+STEPS, UNIT_TESTS = 'steps', 'unit_tests'  # config.feedback.mode
+MODES = (STEPS, UNIT_TESTS)
 SINGLETON_MODES = ('raw', 'zero')
 # Which groups train the policy: 'mixed' = some but not all of the non-error
 # rollouts won (the authors' AlfWorld filter, for any G and with errors);
@@ -211,13 +214,20 @@ def integrate(
 ) -> tuple[list[structs.Example], list[structs.Example], dict[str, float]]:
   """Policy and RM training examples of one epoch, plus `feedback/*` stats.
 
-  `config` is the `feedback` section: lam, eps, singleton, parse_penalty,
-  policy_filter (+ policy_acc_low, policy_acc_high for 'band'), rm_acc_low,
-  rm_acc_high. `exclude` holds
+  `config` is the `feedback` section: mode ('steps': integrated feedback per
+  step; 'unit_tests': the coding rewards, `unit_test_examples`), lam, eps,
+  singleton, parse_penalty, policy_filter (+ policy_acc_low, policy_acc_high
+  for 'band'), rm_acc_low, rm_acc_high, unit_test_reward. `exclude` holds
   the groups not to train on (rejected pending rewrites).
   """
   trajectories = list(trajectories)
   _check_unique(trajectories)
+  if config.mode not in MODES:
+    raise ValueError(f'config.feedback.mode={config.mode!r}: one of {MODES}')
+  if config.mode == UNIT_TESTS:
+    policy, rm, stats = unit_test_examples(trajectories, judgments, config,
+                                           set(exclude))
+    return policy, rm, {f'feedback/{k}': v for k, v in stats.items()}
   accuracy = task_accuracy(trajectories)
   by_step = judgments_by_step(judgments)
   rewards = step_rewards(trajectories, by_step, config.lam)
@@ -255,8 +265,11 @@ def integrate(
 def rm_metrics(
     trajectories: Sequence[structs.Trajectory],
     judgments: Sequence[structs.Judgment],
+    mode: str = 'steps',
 ) -> dict[str, float]:
   """Reward-model quality metrics (RLANYTHING.md 1, 7); NaN when undefined.
+
+  mode 'unit_tests' (coding): `unit_test_metrics`. Otherwise (step judges):
 
   Non-error rollouts only; a step's verdict is sign(mean_j S_j), 0 = wrong.
     rm/outcome_acc: fraction of rollouts with a judged step where
@@ -273,6 +286,8 @@ def rm_metrics(
     rm/mu: p_plus + p_minus; more samples m help iff mu > 1 (Theorem 1).
     judge/parse_fail_rate: unparseable answers / all judgments.
   """
+  if mode == UNIT_TESTS:
+    return unit_test_metrics(trajectories, judgments)
   by_step = judgments_by_step(judgments)
   outcome_hits, agreement, process_hits = [], [], []
   plus, minus = [], []
@@ -360,3 +375,205 @@ def _check_unique(trajectories: Sequence[structs.Trajectory]) -> None:
 def _mean(values: Iterable[float]) -> float:
   values = [float(v) for v in values]
   return float(np.mean(values)) if values else float('nan')
+
+
+# ---- Unit-test feedback (coding, RLANYTHING.md 5.6-5.7) ---------------------
+# A group's programs are its non-error rollouts (Trajectory.info: 'gt_ratio',
+# the fraction of ground-truth tests passed, and 'program'); its RM
+# judgments are unit tests (Judgment.info 'test', 'rollouts', 'passed').
+
+UNIT_TEST_REWARDS = ('gt', 'integrated')
+
+
+def _ut_inputs(correct_P, passes_PxU, valid_U):
+  correct = np.asarray(correct_P, dtype=bool).reshape(-1)
+  passes = np.asarray(passes_PxU, dtype=bool).reshape(correct.size, -1)
+  valid = np.asarray(valid_U, dtype=bool).reshape(passes.shape[1])
+  return correct, passes & valid[None, :], valid
+
+
+def rm_rewards(correct_P, passes_PxU, valid_U) -> np.ndarray | None:
+  """Reward of each of the U unit tests (RLANYTHING.md 5.7); None = skip.
+
+  C+ = programs passing every GT test, C- = the others; an invalid test
+  fails every program. The task is skipped when C+ is empty. Test u is
+  correct iff every program in C+ passes it. If C- is empty: r_u = +1 if u
+  is correct else -1. Otherwise r_u = #{c in C-: c fails u} if u is correct,
+  else -#{c in C-: c passes u} (so an invalid test gets 0, like a correct
+  test that catches nothing). Advantages are z-scores of r over the U tests.
+  """
+  correct, passes, _ = _ut_inputs(correct_P, passes_PxU, valid_U)
+  if not correct.any():
+    return None
+  good = passes[correct].all(axis=0)
+  if correct.all():
+    return np.where(good, 1.0, -1.0)
+  wrong = passes[~correct]
+  caught = (~wrong).sum(axis=0).astype(float)
+  let_through = wrong.sum(axis=0).astype(float)
+  return np.where(good, caught, -let_through)
+
+
+def ut_metrics(correct_P, passes_PxU, valid_U) -> dict[str, int]:
+  """Counts behind rm/ut_accuracy and rm/detect for one task (5.7).
+
+  ut_correct / ut_total: tests passing every program in C+ (tasks with
+  C+ non-empty). detect / detect_total: tests passing all of C+ and failing
+  all of C- (tasks with both non-empty). Totals are 0 where undefined.
+  """
+  correct, passes, _ = _ut_inputs(correct_P, passes_PxU, valid_U)
+  total = passes.shape[1]
+  if not correct.any():
+    return {'ut_correct': 0, 'ut_total': 0, 'detect': 0, 'detect_total': 0}
+  good = passes[correct].all(axis=0)
+  out = {'ut_correct': int(good.sum()), 'ut_total': total, 'detect': 0,
+         'detect_total': 0}
+  if not correct.all():
+    detects = good & ~passes[~correct].any(axis=0)
+    out.update(detect=int(detects.sum()), detect_total=total)
+  return out
+
+
+def aggregate_ut_metrics(per_task: Sequence[dict[str, int]]
+                         ) -> dict[str, float]:
+  """rm/ut_accuracy and rm/detect over tasks (pooled over tests; NaN: none)."""
+  sums = {k: sum(m[k] for m in per_task) for k in (
+      'ut_correct', 'ut_total', 'detect', 'detect_total')}
+  nan = float('nan')
+  return {
+      'rm/ut_accuracy': (sums['ut_correct'] / sums['ut_total']
+                         if sums['ut_total'] else nan),
+      'rm/detect': (sums['detect'] / sums['detect_total']
+                    if sums['detect_total'] else nan),
+  }
+
+
+def policy_rewards(gt_ratio_P, passes_PxU=None, valid_U=None, *,
+                   mode: str = 'gt', lam: float = 1.0) -> np.ndarray:
+  """Reward of each of the P programs of a task (before z-scoring).
+
+  'gt' (the authors, 5.6): R_p = g_p, the fraction of GT tests p passes.
+  'integrated' (the paper's claim for the Policy row, bug B5):
+    R_p = g_p + lam * q_p,  q_p = #{u in K: p passes u} / |K|  (0 if K = {})
+  where K are the RM's tests that look correct: when some program passes
+  every GT test (C+ non-empty), K = valid tests that every program in C+
+  passes, since a test that a GT-correct program fails is most likely wrong
+  and would reward agreeing with its mistake; when C+ is empty nothing can
+  vouch for a test, so K = all valid tests, the RM's unverified judgment,
+  as integrated feedback uses the RM's scores in the agent settings. Both
+  terms lie in [0, 1]; q separates programs with equal GT ratios, which is
+  the common case (all-fail groups) where the GT reward alone has no signal.
+  """
+  gt = np.asarray(gt_ratio_P, dtype=float).reshape(-1)
+  if mode not in UNIT_TEST_REWARDS:
+    raise ValueError(f'config.feedback.unit_test_reward={mode!r}: one of '
+                     f'{UNIT_TEST_REWARDS}')
+  if mode == 'gt' or passes_PxU is None:
+    if mode == 'integrated':
+      raise ValueError("mode='integrated' needs passes_PxU and valid_U")
+    return gt
+  correct = gt >= 1.0
+  _, passes, valid = _ut_inputs(correct, passes_PxU, valid_U)
+  keep = valid & (passes[correct].all(axis=0) if correct.any() else True)
+  if not keep.any():
+    return gt
+  return gt + lam * passes[:, keep].mean(axis=1)
+
+
+def group_tests(trajs: Sequence[structs.Trajectory],
+                judgments: Sequence[structs.Judgment]):
+  """(gt_ratio_P, passes_PxU, valid_U, tests) of one group, None if unrun.
+
+  Programs in `trajs` order; tests in sample order. Unparseable tests are
+  invalid (they fail every program).
+  """
+  tests = sorted(judgments, key=lambda j: j.sample)
+  gt = np.array([t.info['gt_ratio'] for t in trajs], dtype=float)
+  passes = np.zeros((len(trajs), len(tests)), dtype=bool)
+  for u, j in enumerate(tests):
+    if j.info.get('passed') is None:
+      return None
+    column = dict(zip(j.info['rollouts'], j.info['passed']))
+    passes[:, u] = [column.get(t.rollout, False) for t in trajs]
+  valid = np.array([j.parsed for j in tests], dtype=bool)
+  return gt, passes, valid, tests
+
+
+def unit_test_examples(
+    trajectories: Sequence[structs.Trajectory],
+    judgments: Sequence[structs.Judgment],
+    config,
+    exclude: Collection[Group],
+) -> tuple[list[structs.Example], list[structs.Example], dict[str, float]]:
+  """Policy and RM examples of the coding setting.
+
+  Policy: A = z-score over the group's programs of `policy_rewards` (the GT
+  pass ratio, or with config.unit_test_reward='integrated' plus lam times
+  the share of correct-looking RM tests passed), for groups the policy
+  filter keeps. RM: A = z-score over the group's tests of `rm_rewards`, for
+  groups in the RM band that have a correct program. Zero advantages are
+  dropped (the authors keep them in coding; they carry no policy gradient).
+  """
+  stats = dict.fromkeys(('groups_used', 'groups_filtered', 'groups_excluded',
+                         'dropped_zero', 'rm_groups_used', 'rm_no_correct',
+                         'rm_unrun', 'rm_dropped_zero'), 0)
+  accuracy = task_accuracy(trajectories)
+  by_group = {}
+  for j in judgments:
+    by_group.setdefault(j.group, []).append(j)
+  keep, rm_keep = policy_filter(config), band(config.rm_acc_low,
+                                               config.rm_acc_high)
+  policy, rm = [], []
+  for group, trajs in _by_group(_ok(trajectories)).items():
+    if group in exclude:
+      stats['groups_excluded'] += 1
+      continue
+    found = group_tests(trajs, by_group.get(group, ()))
+    if keep(accuracy[group]):
+      stats['groups_used'] += 1
+      gt = np.array([t.info['gt_ratio'] for t in trajs], dtype=float)
+      if config.unit_test_reward == 'integrated' and found and found[3]:
+        rewards = policy_rewards(gt, found[1], found[2], mode='integrated',
+                                 lam=config.lam)
+      else:  # 'gt', or no RM tests ran for this group
+        rewards = policy_rewards(gt, mode='gt')
+      _keep_nonzero([t.steps[0] for t in trajs],
+                    [t.step_key(0) for t in trajs],
+                    zscore(rewards, config.eps), config.eps, policy, stats)
+    else:
+      stats['groups_filtered'] += 1
+    if not rm_keep(accuracy[group]) or group not in by_group:
+      continue
+    if found is None:
+      stats['rm_unrun'] += 1
+      continue
+    gt, passes, valid, tests = found
+    rewards = rm_rewards(gt >= 1.0, passes, valid)
+    if rewards is None:
+      stats['rm_no_correct'] += 1
+      continue
+    stats['rm_groups_used'] += 1
+    counts = {'dropped_zero': 0}
+    _keep_nonzero(tests, [(*group, 'test', j.sample) for j in tests],
+                  zscore(rewards, config.eps), config.eps, rm, counts)
+    stats['rm_dropped_zero'] += counts['dropped_zero']
+  stats['examples'], stats['rm_examples'] = len(policy), len(rm)
+  return policy, rm, stats
+
+
+def unit_test_metrics(trajectories: Sequence[structs.Trajectory],
+                      judgments: Sequence[structs.Judgment]
+                      ) -> dict[str, float]:
+  """rm/ut_accuracy, rm/detect (5.7) and judge/parse_fail_rate."""
+  by_group = {}
+  for j in judgments:
+    by_group.setdefault(j.group, []).append(j)
+  per_task = []
+  for group, trajs in _by_group(_ok(trajectories)).items():
+    found = group_tests(trajs, by_group.get(group, ()))
+    if found is not None and found[3]:
+      gt, passes, valid, _ = found
+      per_task.append(ut_metrics(gt >= 1.0, passes, valid))
+  out = aggregate_ut_metrics(per_task)
+  out['judge/parse_fail_rate'] = _mean(not j.parsed for j in judgments)
+  return out

@@ -1,15 +1,19 @@
-"""The generative reward model as a step judge (RLANYTHING.md 2.4, 3.4).
+"""The generative reward model: a step judge or a unit-test writer.
 
-For every step of every finished trajectory the RM is sampled m times with
-the shared sampler, from the RM's own parameters; each answer's last
-\\boxed{} gives the score S in {-1, 0, +1} (0 when unparseable).
+Agents (RLANYTHING.md 2.4, 3.4): for every step of every finished trajectory
+the RM is sampled m times with the shared sampler, from the RM's own
+parameters; each answer's last \\boxed{} gives the score S in {-1, 0, +1}
+(0 when unparseable). Coding (5.4): each task version gets m unit tests,
+run on every program of the task.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 from rla_jax import chat
+from rla_jax import feedback
 from rla_jax import structs
 from rla_jax.boxed import last_boxed
 
@@ -60,30 +64,89 @@ def parse_score(text: str) -> int | None:
   return None
 
 
-def score(rm_model, tokenizer, env, trajectories, *, num_samples: int,
-          sampling, seed: int, mesh=None, rules=None
+def score(rm_model, tokenizer, env, trajectories, *, mode: str,
+          num_samples: int, sampling, seed: int, mesh=None, rules=None
           ) -> list[structs.Judgment]:
-  """m judgments for each step of each non-error trajectory, in one batch."""
-  requests, messages = [], []
-  for traj in trajectories:
-    if traj.status != structs.OK:
-      continue
-    for k, step in enumerate(traj.steps):
-      requests.append((traj, k))
-      messages.append(env.judge_messages(traj.spec, step.prompt, step.response,
-                                         step.observation))
-  completions = chat.complete(rm_model, tokenizer, messages, sampling=sampling,
-                              num_samples=num_samples, seed=seed, mesh=mesh,
-                              rules=rules)
+  """m RM samples per judged unit of the non-error trajectories, one batch.
+
+  mode 'steps' (config.feedback.mode): each step of each trajectory is judged
+  (env.judge_messages), scores parsed by `parse_score`. 'unit_tests': each
+  task version (group)
+  gets m unit tests from the RM (env.rm_messages, env.parse_judgment), each
+  then run on every program of the group (env.execute); see `_run_tests`.
+  """
+  if mode not in feedback.MODES:
+    raise ValueError(f'config.feedback.mode={mode!r}: one of '
+                     f'{feedback.MODES}')
+  steps = mode == feedback.STEPS
+  ok = [t for t in trajectories if t.status == structs.OK]
+  if steps:
+    requests = [(t, k, env.judge_messages(t.spec, s.prompt, s.response,
+                                          s.observation))
+                for t in ok for k, s in enumerate(t.steps)]
+  else:
+    for method in ('rm_messages', 'parse_judgment', 'execute'):
+      if not hasattr(env, method):
+        raise ValueError(f'config.feedback.mode={mode!r} needs an environment '
+                         f'that writes unit tests; {type(env).__name__} has '
+                         f'no {method}()')
+    groups = _groups(ok)
+    requests = [(trajs[0], structs.TASK_LEVEL, env.rm_messages(trajs[0].spec))
+                for trajs in groups.values()
+                if env.supports_unit_tests(trajs[0].spec)]
+  completions = chat.complete(rm_model, tokenizer, [m for *_, m in requests],
+                              sampling=sampling, num_samples=num_samples,
+                              seed=seed, mesh=mesh, rules=rules)
   judgments = []
-  for (traj, k), msgs, samples in zip(requests, messages, completions):
+  for (traj, k, msgs), samples in zip(requests, completions):
     prefix = msgs[-1]['content'] if msgs[-1]['role'] == 'assistant' else ''
     for j, c in enumerate(samples):
-      s = parse_score(prefix + c.text)
+      if steps:
+        s, info = parse_score(prefix + c.text), {}
+      else:
+        test = env.parse_judgment(prefix + c.text)
+        s, info = (None if test is None else 1), {
+            'test': None if test is None else list(test)}
       judgments.append(structs.Judgment(
-          task_id=traj.task_id, source=traj.source, rollout=traj.rollout,
+          task_id=traj.task_id, source=traj.source,
+          rollout=traj.rollout if steps else structs.TASK_LEVEL,
           step=k, sample=j, prompt=c.prompt, prompt_tokens=c.prompt_tokens,
           response=c.text, response_tokens=c.tokens, logprobs=c.logprobs,
           score=0 if s is None else s, parsed=s is not None,
-          prompt_cut=c.prompt_cut))
+          prompt_cut=c.prompt_cut, info=info))
+  if not steps:
+    _run_tests(env, groups, judgments)
   return judgments
+
+
+def _groups(trajectories):
+  groups = {}
+  for traj in trajectories:
+    groups.setdefault(traj.group, []).append(traj)
+  return groups
+
+
+def _run_tests(env, groups, judgments):
+  """Runs every RM test of a group on each of its programs (in place).
+
+  Sets info['rollouts'] (rollout ids, the order of the programs) and
+  info['passed'] (one bool per program; unparseable tests fail all). When
+  the environment fails to run them (the sandbox broke), 'passed' stays
+  None and the group's RM judgments are not trained on.
+  """
+  by_group = {}
+  for j in judgments:
+    by_group.setdefault(j.group, []).append(j)
+  for group, tests in by_group.items():
+    trajs = groups[group]
+    programs = [t.info.get('program', '') for t in trajs]
+    try:
+      passes_PxU = env.execute(trajs[0].spec, programs,
+                               [j.info['test'] for j in tests])
+    except Exception:  # pylint: disable=broad-exception-caught
+      logging.exception('running the RM tests of %s failed', group)
+      passes_PxU = None
+    for u, j in enumerate(tests):
+      j.info['rollouts'] = [t.rollout for t in trajs]
+      j.info['passed'] = (None if passes_PxU is None else
+                          [bool(x) for x in passes_PxU[:, u]])

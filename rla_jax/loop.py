@@ -163,6 +163,14 @@ def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
   }
 
 
+def _env_metrics(run: Run, trajs, prefix: str) -> dict[str, float]:
+  """The setting's own metrics of a batch of rollouts (optional hook)."""
+  metrics_fn = getattr(run.env, 'metrics', None)
+  if metrics_fn is None:
+    return {}
+  return {prefix + k: v for k, v in metrics_fn(trajs).items()}
+
+
 def _needs_judge(config) -> bool:
   return (config.feedback.lam != 0 or config.loop.train_rm
           or config.curator.enabled)
@@ -195,6 +203,7 @@ def _epoch(run: Run, epoch: int) -> dict[str, float]:
   accuracy = feedback.task_accuracy(trajs)
   acc = {g: a.accuracy for g, a in accuracy.items()}
   values.update(_rollout_metrics(trajs, accuracy))
+  values.update(_env_metrics(run, trajs, 'rollout/'))
   values['rollout/tokens_per_s'] = sum(
       len(s.response_tokens) for t in trajs for s in t.steps) / max(
           values['time/rollout_s'], 1e-9)
@@ -204,10 +213,12 @@ def _epoch(run: Run, epoch: int) -> dict[str, float]:
     with timer('judge'):
       judgments = judge.score(
           _model(run, 'reward_model'), run.tokenizers['reward_model'],
-          run.env, trajs, num_samples=config.judge.num_samples,
+          run.env, trajs, mode=config.feedback.mode,
+          num_samples=config.judge.num_samples,
           sampling=config.judge.sampling, seed=_seed(config, epoch, 2),
           mesh=run.mesh, rules=run.rules)
-    values.update(feedback.rm_metrics(trajs, judgments))
+    values.update(feedback.rm_metrics(trajs, judgments,
+                                      config.feedback.mode))
     values['judge/prompt_cut_frac'] = _cut_frac(judgments)
 
   exclude = set()
@@ -307,15 +318,18 @@ def _evaluate(run: Run, epoch: int) -> dict[str, float]:
         prefix + 'episodes': len(ok),
         prefix + 'errors': len(trajs) - len(ok),
         prefix + 'prompt_cut_frac': _cut_frac(s for t in ok for s in t.steps),
+        **_env_metrics(run, trajs, prefix),
     })
     if config.eval.judge:
       judgments = judge.score(
           _model(run, 'reward_model'), run.tokenizers['reward_model'],
-          run.env, trajs, num_samples=config.judge.num_samples,
+          run.env, trajs, mode=config.feedback.mode,
+          num_samples=config.judge.num_samples,
           sampling=config.judge.sampling, seed=_seed(config, epoch, 10, i),
           mesh=run.mesh, rules=run.rules)
       values.update({prefix + k.replace('/', '_'): v for k, v in
-                     feedback.rm_metrics(trajs, judgments).items()})
+                     feedback.rm_metrics(trajs, judgments,
+                                         config.feedback.mode).items()})
   values['time/eval_s'] = time.perf_counter() - start
   return values
 
@@ -352,6 +366,11 @@ def validate(config) -> None:
         "must be 'raw' or 'zero'")
   check(config.feedback.policy_filter in feedback.POLICY_FILTERS,
         'feedback.policy_filter', f'must be one of {feedback.POLICY_FILTERS}')
+  check(config.feedback.mode in feedback.MODES, 'feedback.mode',
+        f'must be one of {feedback.MODES}')
+  check(config.feedback.unit_test_reward in feedback.UNIT_TEST_REWARDS,
+        'feedback.unit_test_reward',
+        f'must be one of {feedback.UNIT_TEST_REWARDS}')
   check(config.loop.checkpoint_every >= 1, 'loop.checkpoint_every',
         'must be >= 1')
   check(config.eval.max_turns >= 1, 'eval.max_turns', 'must be >= 1')

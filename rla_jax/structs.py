@@ -12,6 +12,8 @@ from typing import Any
 HARDER = 'harder'
 EASIER = 'easier'
 
+TASK_LEVEL = -1  # Judgment.rollout / .step of a judgment of a whole group
+
 # Trajectory.status values
 OK = 'ok'
 ERROR = 'error'  # the environment failed; excluded from training, counted
@@ -84,12 +86,16 @@ class Trajectory:
 
 @dataclasses.dataclass
 class Judgment:
-  """One reward-model sample for one policy step."""
+  """One reward-model sample: of one policy step, or of a whole task version.
+
+  Step judges (agents) score a step; unit-test judges (coding) write one test
+  for the task version (rollout = step = TASK_LEVEL), run on every program.
+  """
 
   task_id: str
   source: str
-  rollout: int
-  step: int  # index into Trajectory.steps
+  rollout: int  # TASK_LEVEL for a judgment of the whole group
+  step: int  # index into Trajectory.steps (TASK_LEVEL: none)
   sample: int  # 0..m-1
   prompt: str
   prompt_tokens: list[int]
@@ -99,6 +105,9 @@ class Judgment:
   score: int  # S in {-1, 0, +1}; 0 when unparseable
   parsed: bool
   prompt_cut: bool = False  # the prompt was too long and lost tokens
+  # Unit-test judges: 'test' [stdin, expected] (None: unparseable),
+  # 'rollouts' and 'passed' (which programs pass it; None: not run).
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def group(self) -> tuple[str, str]:

@@ -21,7 +21,7 @@ HARDER, EASIER = structs.HARDER, structs.EASIER
 def make_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       num_tasks=2, alpha_low=0.2, alpha_high=0.8, rewrite_attempts=3,
-      pending_max_tries=2, critique_max_chars=40))
+      pending_max_tries=2, critique_max_chars=40, critiques=True))
   config.update(overrides)
   return config
 
@@ -387,3 +387,15 @@ def test_discard_pending_logs_and_clears():
   assert events[0]['task_id'] == 't1' and events[0]['epoch'] == 5
   assert new_pool[1].history == events and new_pool[1].version == 0
   assert pool[1].pending is not None  # input untouched
+
+
+def test_critiques_can_be_switched_off():
+  pool = curator.build_pool(specs(3))
+  trajectories, judgments, accuracy = rollouts_for_rewrite()
+  env, generate = FakeEnv(), FakeGenerate()
+  new_pool, stats = curator.request_rewrites(
+      pool, env, trajectories, judgments, accuracy, generate, 4,
+      make_config(critiques=False))
+  assert not generate.calls  # no critique prompts
+  assert [c['critiques'] for c in env.calls] == [[], []]
+  assert stats['curator/created'] == 2 and new_pool[0].pending is not None

@@ -19,6 +19,7 @@ from rla_jax import structs
 def make_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       lam=1.0, eps=1e-8, singleton='raw', parse_penalty=-2.0,
+      mode='steps', unit_test_reward='gt',
       policy_filter='band', policy_acc_low=1 / 8, policy_acc_high=7 / 8,
       rm_acc_low=0.2,
       rm_acc_high=0.8))
@@ -346,3 +347,99 @@ def test_duplicate_rollouts_raise():
                            rollout('a', 0, -1.0, [[1]]))
   with pytest.raises(ValueError, match='share'):
     feedback.integrate(trajs, judgments, make_config())
+
+
+# ---- unit-test feedback (coding) -------------------------------------------
+
+
+def program(task, r, gt_ratio, status=structs.OK):
+  return structs.Trajectory(
+      task_id=task, source='active', rollout=r, spec={'id': task},
+      steps=[step(r, 0)], outcome=1.0 if gt_ratio == 1.0 else -1.0,
+      status=status, info={'gt_ratio': gt_ratio, 'program': f'p{r}'})
+
+
+def unit_test(task, j, passed, rollouts, parsed=True):
+  return structs.Judgment(
+      task_id=task, source='active', rollout=structs.TASK_LEVEL,
+      step=structs.TASK_LEVEL, sample=j, prompt='', prompt_tokens=[9, j, 2],
+      response='', response_tokens=[9, j, 3], logprobs=[], score=int(parsed),
+      parsed=parsed, info={'test': ['1', '2'] if parsed else None,
+                           'rollouts': rollouts, 'passed': passed})
+
+
+def ut_config(**overrides):
+  values = dict(mode='unit_tests', policy_acc_low=0.0, policy_acc_high=1.0,
+                rm_acc_low=0.0, rm_acc_high=1.0)
+  values.update(overrides)
+  return make_config(**values)
+
+
+def coding_group():
+  # Programs: gt ratios 1, 0.5, 0, 0.5 (only rollout 0 is correct); rollout 4
+  # errored. Tests: u0 passed by 0, 1; u1 by 0, 3; u2 by 1 only (wrong: the
+  # correct program fails it); u3 unparseable (fails everywhere).
+  trajs = [program('c', 0, 1.0), program('c', 1, 0.5), program('c', 2, 0.0),
+           program('c', 3, 0.5), program('c', 4, 1.0, status=structs.ERROR)]
+  rollouts = [0, 1, 2, 3]
+  tests = [unit_test('c', 0, [True, True, False, False], rollouts),
+           unit_test('c', 1, [True, False, False, True], rollouts),
+           unit_test('c', 2, [False, True, False, False], rollouts),
+           unit_test('c', 3, [False] * 4, rollouts, parsed=False)]
+  return trajs, tests
+
+
+def test_unit_test_rewards_table():
+  trajs, tests = coding_group()
+  policy, rm, stats = feedback.integrate(trajs, tests, ut_config())
+  # Policy ('gt'): R = [1, .5, 0, .5], mean .5, std sqrt(1/8).
+  s = math.sqrt(1 / 8)
+  assert as_table(policy) == pytest.approx({
+      policy_key(0, 0): 0.5 / s, policy_key(2, 0): -0.5 / s})
+  assert stats['feedback/dropped_zero'] == 2
+  # RM (5.7): C+ = {0}, C- = {1, 2, 3}. u0 correct, caught {2, 3}: 2;
+  # u1 correct, caught {1, 2}: 2; u2 wrong, let through {1}: -1; u3 invalid
+  # (wrong, lets nothing through): 0. r = [2, 2, -1, 0], mean 3/4.
+  r = np.array([2, 2, -1, 0], float)
+  z = (r - r.mean()) / r.std()
+  assert as_table(rm) == pytest.approx({
+      ((9, j, 2), (9, j, 3)): z[j] for j in range(4)})
+  assert sorted(e.key for e in rm) == [f'c/active/test/{j}' for j in range(4)]
+  metrics = feedback.rm_metrics(trajs, tests, 'unit_tests')
+  assert metrics['rm/ut_accuracy'] == pytest.approx(2 / 4)
+  assert metrics['rm/detect'] == 0.0  # no test fails all of C-
+  assert metrics['judge/parse_fail_rate'] == pytest.approx(1 / 4)
+
+
+def test_unit_test_integrated_policy_reward():
+  trajs, tests = coding_group()
+  policy, _, _ = feedback.integrate(
+      trajs, tests, ut_config(unit_test_reward='integrated', lam=0.5))
+  # K = {u0, u1} (valid, passed by the correct program 0).
+  # q = [1, 1/2, 0, 1/2]; R = g + q/2 = [1.5, .75, 0, .75], mean .75.
+  r = np.array([1.5, 0.75, 0.0, 0.75])
+  z = (r - r.mean()) / r.std()
+  assert as_table(policy) == pytest.approx({
+      policy_key(0, 0): z[0], policy_key(2, 0): z[2]})
+
+
+def test_unit_test_feedback_skips_and_filters():
+  # No correct program: no RM data; the policy band [0.2, 0.8] filters.
+  trajs = [program('z', r, g) for r, g in enumerate((0.0, 0.5))]
+  tests = [unit_test('z', 0, [True, False], [0, 1])]
+  _, rm, stats = feedback.integrate(trajs, tests, ut_config())
+  assert not rm and stats['feedback/rm_no_correct'] == 1
+  policy, _, stats = feedback.integrate(
+      trajs, tests, ut_config(policy_acc_low=0.2, policy_acc_high=0.8))
+  assert not policy and stats['feedback/groups_filtered'] == 1
+  # Tests that never ran (the sandbox broke) are not trained on.
+  trajs, tests = coding_group()
+  for t in tests:
+    t.info['passed'] = None
+  _, rm, stats = feedback.integrate(trajs, tests, ut_config())
+  assert not rm and stats['feedback/rm_unrun'] == 1
+  # Rejected rewrites are excluded from both.
+  trajs, tests = coding_group()
+  policy, rm, stats = feedback.integrate(trajs, tests, ut_config(),
+                                         exclude={('c', 'active')})
+  assert not policy and not rm and stats['feedback/groups_excluded'] == 1

@@ -105,3 +105,18 @@ class Environment(Protocol):
   def rewrite(self, request: RewriteRequest, generate: GenerateFn,
               attempts: int) -> dict[str, Any]:
     """A harder/easier version of `request.spec`; raises RewriteRejected."""
+
+  # Optional: `metrics(trajectories) -> dict[str, float]`, the setting's own
+  # numbers for a batch of rollouts (the loop logs them under rollout/ and
+  # eval/<split>/). A module may also define `make_tokenizer()` for random
+  # models.
+  #
+  # Unit-test judges (config.feedback.mode='unit_tests', the coding setting)
+  # replace judge_messages with:
+  #   rm_messages(spec) -> messages: ask the RM for ONE unit test of `spec`;
+  #   parse_judgment(text) -> test | None: the test in an RM answer;
+  #   supports_unit_tests(spec) -> bool: whether RM tests apply to `spec`;
+  #   execute(spec, programs, tests) -> bool [P, U]: which program passes
+  #     which test (None tests fail everywhere); programs come from
+  #     Trajectory.info['program'], which the episode also fills with
+  #     'gt_ratio' (the fraction of ground-truth tests passed).

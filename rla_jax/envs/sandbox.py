@@ -1,0 +1,439 @@
+"""Runs untrusted Python (programs, model-written tests) in a sandbox.
+
+  results = sandbox.run(program, tests, time_limit_s=2.0)
+
+`tests` holds (stdin, expected_stdout) pairs, `Check(code)` assert-style
+tests (HumanEval's `check(candidate)`), or None for a test that could not be
+parsed (reported as 'invalid_test', never run). All tests of one program run
+in ONE sandboxed process (sandbox_harness.py); `run_many` runs many programs
+in parallel. Nothing the program does makes these functions raise; a broken
+sandbox raises SandboxError (SandboxUnavailable when bwrap is missing).
+
+Isolation (ENVIRONMENTS.md section 4): bubblewrap as an unprivileged uid of
+its own per concurrent sandbox (RLIMIT_NPROC counts per uid, so parallel
+sandboxes would otherwise share one process budget), new user, PID, network,
+IPC and UTS namespaces, a read-only view of the host's /usr only, a private
+size-capped /tmp and /dev/shm, rlimits on memory, CPU, processes, file size
+and open files, per-test CPU and wall-clock limits, and an output cap. The
+harness is PID 1 of the sandbox (bwrap --as-pid-1): it reaps every orphan
+and its exit kills whatever the program left, so no zombie or process
+outlives a run (bwrap's own init would leave a zombie per run on this
+machine, see ENVIRONMENTS.md).
+
+Programs get the host's system Python (Limits.python) with its standard
+library only: `-I -S`, so no site-packages (and no numpy).
+
+Statuses: 'ok' (passed), 'wrong_answer', 'timeout', 'memory', 'error' (an
+exception, a crash or a non-zero exit), 'output_limit' (stdout over the cap
+or a file over the size limit), 'invalid_test'. Outputs are compared after
+collapsing all whitespace (RLANYTHING.md 5.5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent import futures
+import dataclasses
+import hashlib
+import logging
+import marshal
+import os
+import secrets
+import shutil
+import subprocess
+import threading
+from typing import Any, Union
+
+OK = 'ok'
+WRONG_ANSWER = 'wrong_answer'
+TIMEOUT = 'timeout'
+MEMORY = 'memory'
+ERROR = 'error'
+OUTPUT_LIMIT = 'output_limit'
+INVALID_TEST = 'invalid_test'
+STATUSES = (OK, WRONG_ANSWER, TIMEOUT, MEMORY, ERROR, OUTPUT_LIMIT,
+            INVALID_TEST)
+
+INSTALL_HINT = ('install bubblewrap (Debian/Ubuntu: `apt-get install -y '
+                'bubblewrap`; Fedora: `dnf install bubblewrap`), or allow '
+                'the unsafe unsandboxed mode explicitly with '
+                '--config.env.sandbox.allow_unsandboxed=True')
+_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                        'sandbox_harness.py')
+# The harness's code object arrives on stdin ahead of the job, compiled once
+# per interpreter (compiling it in every run would cost ~3 ms of start-up).
+_BOOT = ('import marshal,os\n'
+         'def r(n):\n'
+         ' b=b""\n'
+         ' while len(b)<n:\n'
+         '  c=os.read(0,n-len(b))\n'
+         '  if not c:raise EOFError\n'
+         '  b+=c\n'
+         ' return b\n'
+         'exec(marshal.loads(r(int.from_bytes(r(4),"big"))))\n')
+_COMPILE = ('import marshal,sys\n'
+            'src=sys.stdin.buffer.read()\n'
+            'sys.stdout.buffer.write(marshal.dumps(compile(src,%r,"exec")))\n')
+# A run the harness has not finished this long after its tests' own limits
+# is a broken sandbox, not a slow program.
+_GRACE_S = 30.0
+
+
+class SandboxError(RuntimeError):
+  """The sandbox failed (not the program): the caller marks an error."""
+
+
+class SandboxUnavailable(SandboxError):
+  """bubblewrap is missing and unsandboxed runs are not allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """An assert-style test: `code` runs after the program in its globals.
+
+  It passes when `code` returns; a failed assert is 'wrong_answer'.
+  HumanEval: Check(problem['test'] + f'\\ncheck({entry_point})\\n').
+  """
+
+  code: str
+
+
+Test = Union[tuple[str, str], Check, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Per-run limits and sandbox settings (config.env.sandbox)."""
+
+  memory_mb: int = 512  # RLIMIT_AS of each process
+  stack_mb: int = 64  # RLIMIT_STACK (deep recursion in contest code)
+  processes: int = 16  # RLIMIT_NPROC: processes and threads of the sandbox
+  file_mb: int = 16  # RLIMIT_FSIZE: largest file the program may write
+  output_mb: int = 16  # captured stdout per test
+  tmp_mb: int = 64  # size of the private /tmp and of /dev/shm
+  open_files: int = 64  # RLIMIT_NOFILE
+  wall_factor: float = 3.0  # wall limit per test = factor * time + extra
+  wall_extra_s: float = 1.0
+  keep_output: int = 200  # characters of stdout kept in each Result
+  python: str = '/usr/bin/python3'  # interpreter inside the sandbox
+  uid_base: int = 0  # first sandbox uid; 0 = derived from our pid
+  allow_unsandboxed: bool = False  # no bwrap: run with rlimits only (unsafe)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """What happened to one test."""
+
+  status: str
+  detail: str = ''  # error message, limit that was hit, ...
+  seconds: float = 0.0  # wall-clock time of the test
+  output: str = ''  # the start of the program's stdout
+
+  @property
+  def passed(self) -> bool:
+    return self.status == OK
+
+
+def available() -> bool:
+  """Whether bubblewrap (and setpriv, when we are root) can be used."""
+  return bool(shutil.which('bwrap')) and (
+      os.geteuid() != 0 or bool(shutil.which('setpriv')))
+
+
+def run(program: str, tests: Sequence[Test], time_limit_s: float = 2.0, *,
+        limits: Limits | None = None) -> list[Result]:
+  """Runs `program` on every test in one sandboxed process; one Result each.
+
+  `time_limit_s` is the CPU time allowed per test (wall-clock time gets
+  `wall_factor` times that, plus `wall_extra_s`, so a loaded machine does not
+  turn slow-but-correct programs into timeouts).
+  """
+  limits = limits or Limits()
+  results: list[Result | None] = [None] * len(tests)
+  job_tests, expected, index = [], [], []
+  for i, test in enumerate(tests):
+    spec = _test_spec(test)
+    if spec is None:
+      results[i] = Result(INVALID_TEST, 'no test')
+      continue
+    job_tests.append(spec[:2])
+    expected.append(spec[2])
+    index.append(i)
+  if not isinstance(program, str):
+    return [r or Result(ERROR, 'no program') for r in results]
+  if job_tests:
+    token = secrets.token_hex(16)
+    job = {'program': program, 'tests': job_tests, 'expected': expected,
+           'time_limit_s': float(time_limit_s), 'token': token,
+           'limits': _harness_limits(limits, time_limit_s, job_tests)}
+    wall = len(job_tests) * (time_limit_s * limits.wall_factor +
+                             limits.wall_extra_s)
+    for i, result in zip(index, _execute(job, limits, wall + _GRACE_S)):
+      results[i] = result
+  return results
+
+
+def run_many(jobs: Sequence[tuple[Any, ...]], time_limit_s: float = 2.0, *,
+             limits: Limits | None = None,
+             workers: int | None = None) -> list[list[Result]]:
+  """`run` over many (program, tests[, time_limit_s]) jobs, in parallel.
+
+  At most `workers` (default: the number of CPUs) sandboxes run at once;
+  each gets its own uid. Raises the first SandboxError after all finished.
+  """
+  workers = workers or os.cpu_count() or 1
+
+  def one(job):
+    program, tests, *rest = job
+    return run(program, tests, rest[0] if rest else time_limit_s,
+               limits=limits)
+
+  if workers == 1 or len(jobs) <= 1:
+    return [one(job) for job in jobs]
+  with futures.ThreadPoolExecutor(min(workers, len(jobs)),
+                                  thread_name_prefix='sandbox') as pool:
+    pending = [pool.submit(one, job) for job in jobs]
+    futures.wait(pending)
+  return [f.result() for f in pending]
+
+
+def expected_digest(expected: str) -> bytes:
+  """The hash the harness compares stdout against (whitespace collapsed)."""
+  data = expected.encode('utf-8', 'surrogateescape')
+  return hashlib.sha256(b' '.join(data.split())).digest()
+
+
+def _test_spec(test: Test) -> tuple[str, str, bytes | None] | None:
+  """(kind, payload, expected digest) of a test; None when invalid."""
+  if isinstance(test, Check):
+    return ('check', test.code, None) if isinstance(test.code, str) else None
+  if not isinstance(test, (tuple, list)) or len(test) != 2:
+    return None
+  stdin, expected = test
+  if stdin is None or expected is None:
+    return None
+  return ('io', str(stdin), expected_digest(str(expected)))
+
+
+def _harness_limits(limits: Limits, time_limit_s: float,
+                    tests: list[tuple[str, str]]) -> dict[str, Any]:
+  names = ('memory_mb', 'stack_mb', 'processes', 'output_mb', 'open_files',
+           'wall_factor', 'wall_extra_s', 'keep_output')
+  out = {name: getattr(limits, name) for name in names}
+  # The worker writes each test's stdin into a file under this limit too.
+  largest = max(len(p.encode('utf-8', 'surrogateescape')) for _, p in tests)
+  out['file_bytes'] = max(limits.file_mb << 20, largest + 1)
+  # Backstop only: the harness enforces the per-test CPU limit itself.
+  out['cpu_total_s'] = int(len(tests) * (time_limit_s + 1)) + 5
+  return out
+
+
+# Sandbox uids: one per concurrent run, so RLIMIT_NPROC is per sandbox.
+
+_lock = threading.Lock()
+_free_slots: list[int] = []
+_num_slots = 0
+_UID_SLOTS = 256  # uids reserved per host process
+_warned_unsandboxed = False
+
+
+def _uid_base(limits: Limits) -> int:
+  if limits.uid_base:
+    return limits.uid_base
+  # A range per host process (by pid), far above real and system users.
+  return 1_000_000_000 + (os.getpid() % 1_000_000) * _UID_SLOTS
+
+
+def _acquire_slot() -> int:
+  global _num_slots
+  with _lock:
+    if _free_slots:
+      return _free_slots.pop()
+    if _num_slots >= _UID_SLOTS:
+      raise SandboxError(f'more than {_UID_SLOTS} concurrent sandboxes')
+    _num_slots += 1
+    return _num_slots - 1
+
+
+def _release_slot(slot: int):
+  with _lock:
+    _free_slots.append(slot)
+
+
+def _root_binds() -> list[str]:
+  """/usr read-only, and /bin, /lib, ... as on the host (links or binds)."""
+  args = ['--ro-bind', '/usr', '/usr']
+  for name in ('bin', 'sbin', 'lib', 'lib32', 'lib64', 'libx32'):
+    path = '/' + name
+    if os.path.islink(path):
+      args += ['--symlink', os.readlink(path), path]
+    elif os.path.isdir(path):
+      args += ['--ro-bind', path, path]
+  return args
+
+
+def _command(limits: Limits, uid: int) -> list[str]:
+  """The argv of one sandboxed harness."""
+  python = [limits.python, '-I', '-S', '-c', _BOOT]
+  bwrap, setpriv = shutil.which('bwrap'), shutil.which('setpriv')
+  # As root, drop to the slot's uid first (bwrap itself then needs no
+  # privileges); an unsandboxed run drops too, where setpriv exists.
+  drop = [setpriv, f'--reuid={uid}', f'--regid={uid}', '--clear-groups',
+          '--inh-caps=-all', '--'] if os.geteuid() == 0 and setpriv else []
+  if not available():
+    if not limits.allow_unsandboxed:
+      raise SandboxUnavailable(f'cannot run untrusted code: {INSTALL_HINT}')
+    _warn_unsandboxed()
+    return drop + python
+  # bwrap < 0.8 (e.g. Ubuntu 22.04) lacks --size and --disable-userns.
+  modern = _bwrap_version(bwrap) >= (0, 8)
+  size = ['--size', str(limits.tmp_mb << 20)] if modern else []
+  return drop + [
+      bwrap, '--unshare-all', '--unshare-user',
+      *(['--disable-userns'] if modern else []),
+      '--die-with-parent', '--new-session', '--as-pid-1', *_root_binds(),
+      '--proc', '/proc', '--dev', '/dev',
+      *size, '--tmpfs', '/dev/shm', '--remount-ro', '/dev',
+      *size, '--tmpfs', '/tmp', '--remount-ro', '/',
+      '--chdir', '/tmp', '--clearenv',
+      '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp',
+      '--setenv', 'LANG', 'C.UTF-8', '--setenv', 'OMP_NUM_THREADS', '1',
+      '--', *python]
+
+
+_versions: dict[str, tuple[int, ...]] = {}
+
+
+def _bwrap_version(bwrap: str) -> tuple[int, ...]:
+  """(major, minor, ...) of `bwrap --version`, cached; (0,) if unknown."""
+  with _lock:
+    if bwrap in _versions:
+      return _versions[bwrap]
+  proc = subprocess.run([bwrap, '--version'], capture_output=True, text=True,
+                        check=False)
+  numbers = proc.stdout.split()[-1:] or ['0']
+  try:
+    version = tuple(int(x) for x in numbers[0].split('.'))
+  except ValueError:
+    version = (0,)
+  if version < (0, 8):
+    logging.warning('bubblewrap %s is older than 0.8: the sandbox\'s /tmp '
+                    'and /dev/shm are not size-capped and nested user '
+                    'namespaces are not disabled', numbers[0])
+  with _lock:
+    _versions[bwrap] = version
+  return version
+
+
+def _warn_unsandboxed():
+  global _warned_unsandboxed
+  if not _warned_unsandboxed:
+    _warned_unsandboxed = True
+    logging.warning('bubblewrap is missing: running untrusted programs '
+                    'WITHOUT a sandbox (allow_unsandboxed=True); only rlimits '
+                    'protect this machine. To fix: %s', INSTALL_HINT)
+
+
+def _execute(job: dict[str, Any], limits: Limits,
+             timeout_s: float) -> list[Result]:
+  """Starts one harness on `job`; its Results, in job order."""
+  if not os.path.exists(limits.python):
+    raise SandboxUnavailable(f'no interpreter at {limits.python} '
+                             '(config.env.sandbox.python)')
+  code = _harness_code(limits.python)
+  payload = marshal.dumps(job, 4)
+  payload = b''.join((len(code).to_bytes(4, 'big'), code,
+                      len(payload).to_bytes(4, 'big'), payload))
+  slot = _acquire_slot()
+  try:
+    cmd = _command(limits, _uid_base(limits) + slot)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+      stdout, stderr = proc.communicate(payload, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      _kill_tree(proc)
+      raise SandboxError(f'the sandbox did not finish in {timeout_s:.0f} s '
+                         f'({len(job["tests"])} tests)') from None
+    except BaseException:
+      _kill_tree(proc)
+      raise
+  finally:
+    _release_slot(slot)
+  return _parse(stdout, stderr, proc.returncode, job)
+
+
+_code_cache: dict[str, bytes] = {}
+
+
+def _harness_code(python: str) -> bytes:
+  """The harness compiled by `python` (our own trusted source), cached."""
+  with _lock:
+    code = _code_cache.get(python)
+  if code is None:
+    with open(_HARNESS, 'rb') as f:
+      source = f.read()
+    proc = subprocess.run([python, '-I', '-S', '-c', _COMPILE % _HARNESS],
+                          input=source, capture_output=True, check=False)
+    if proc.returncode:
+      raise SandboxUnavailable(f'{python} cannot compile the harness: '
+                               f'{proc.stderr.decode(errors="replace")}')
+    code = proc.stdout
+    with _lock:
+      _code_cache[python] = code
+  return code
+
+
+def _parse(stdout: bytes, stderr: bytes, returncode: int,
+           job: dict[str, Any]) -> list[Result]:
+  results: list[Result | None] = [None] * len(job['tests'])
+  done, pos = False, 0
+  while pos + 4 <= len(stdout):
+    size = int.from_bytes(stdout[pos:pos + 4], 'big')
+    frame = marshal.loads(stdout[pos + 4:pos + 4 + size])
+    pos += 4 + size
+    if not isinstance(frame, tuple) or frame[0] != job['token']:
+      raise SandboxError('corrupted result channel')
+    _, k, status, detail, seconds, output = frame
+    if k == -1:
+      done = True
+    else:
+      results[k] = Result(status, detail, seconds, output)
+  if not done or any(r is None for r in results):
+    tail = stderr.decode('utf-8', 'replace').strip()[-2000:]
+    raise SandboxError(f'the sandbox failed (exit {returncode}): {tail}')
+  return results
+
+
+def _kill_tree(proc: subprocess.Popen):
+  """Kills a harness that overran, innermost first, so nothing is orphaned.
+
+  Killing bwrap first would orphan the harness to the host's init, which
+  reaps slowly; killing the harness (the sandbox's PID 1) ends the whole PID
+  namespace and lets bwrap exit by itself.
+  """
+  for pid in _children(proc.pid):
+    try:
+      os.kill(pid, 9)
+    except OSError:
+      pass
+  try:
+    proc.communicate(timeout=5)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.communicate()
+
+
+def _children(pid: int) -> list[int]:
+  out = []
+  for name in os.listdir('/proc'):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f'/proc/{name}/stat', 'rb') as f:
+        fields = f.read().rsplit(b')', 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[1]) == pid:
+      out.append(int(name))
+  return out

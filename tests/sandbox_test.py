@@ -1,0 +1,398 @@
+"""The sandbox: verdicts, isolation of tests, containment, nothing left over."""
+
+import logging
+import os
+import socket
+import stat
+import tempfile
+import time
+
+import pytest
+
+from rla_jax.envs import sandbox
+
+needs_bwrap = pytest.mark.skipif(
+    not sandbox.available(),
+    reason='bubblewrap is not installed (apt-get install -y bubblewrap)')
+pytestmark = needs_bwrap
+FAST = 0.5  # seconds of CPU per test where a test is meant to time out
+HOST_DIRS = ('/tmp', '/var/tmp', '/dev/shm', os.path.expanduser('~'))
+
+
+def _our_uids():
+  # pylint: disable=protected-access
+  base = sandbox._uid_base(sandbox.Limits())
+  return range(base, base + sandbox._UID_SLOTS)
+
+
+def _processes():
+  """(pid, state, ppid, real uid) of every process on the host."""
+  out = []
+  for name in os.listdir('/proc'):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f'/proc/{name}/status') as f:
+        fields = dict(line.split(':', 1) for line in f if ':' in line)
+    except OSError:
+      continue
+    out.append((int(name), fields['State'].split()[0], int(fields['PPid']),
+                int(fields['Uid'].split()[0])))
+  return out
+
+
+def _sandbox_files():
+  uids = _our_uids()
+  found = []
+  for top in HOST_DIRS:
+    for root, dirs, files in os.walk(top):
+      for name in dirs + files:
+        path = os.path.join(root, name)
+        try:
+          if os.lstat(path).st_uid in uids:
+            found.append(path)
+        except OSError:
+          pass
+      if root.count(os.sep) > 3:
+        dirs.clear()
+  return found
+
+
+@pytest.fixture
+def nothing_left():
+  """After the test: no process, zombie or file of a sandbox uid remains."""
+  yield
+  uids = _our_uids()
+  deadline = time.time() + 5
+  while True:
+    left = [p for p in _processes()
+            if p[3] in uids or (p[2] == os.getpid() and p[1] == 'Z')]
+    if not left or time.time() > deadline:
+      break
+    time.sleep(0.1)
+  assert not left, f'left behind: {left}'
+  assert not _sandbox_files()
+
+
+def _one(program, stdin='', expected='', time_limit_s=2.0, **limits):
+  result, = sandbox.run(program, [(stdin, expected)], time_limit_s,
+                        limits=sandbox.Limits(**limits))
+  return result
+
+
+# Verdicts.
+
+
+def test_verdicts_of_a_simple_program(nothing_left):
+  prog = 'a, b = map(int, input().split())\nprint(a + b)\n'
+  results = sandbox.run(prog, [('1 2', '3'), ('2 2', '5'), None, ('x', '1'),
+                               ('5 5\n', ' 10 \n\n')])
+  assert [r.status for r in results] == ['ok', 'wrong_answer', 'invalid_test',
+                                         'error', 'ok']
+  assert [r.passed for r in results] == [True, False, False, False, True]
+  assert 'ValueError' in results[3].detail
+  assert results[0].output == '3\n'
+
+
+def test_comparison_collapses_whitespace_only():
+  prog = 'print("1  2\\n3")'
+  assert _one(prog, expected='1 2 3').passed
+  assert _one(prog, expected='1\n2\n3\n').passed
+  assert not _one(prog, expected='12 3').passed
+
+
+def test_syntax_error_fails_every_test():
+  results = sandbox.run('def f(:\n', [('', ''), ('', '')])
+  assert [r.status for r in results] == ['error', 'error']
+  assert 'SyntaxError' in results[0].detail
+
+
+def test_exit_codes_and_common_input_styles():
+  assert _one('import sys\nprint(7)\nsys.exit(0)', expected='7').passed
+  assert _one('print(7)\nexit()', expected='7').passed  # site's exit()
+  assert _one('print(7)\nraise SystemExit(3)', expected='7').status == 'error'
+  reads = ['import sys\nprint(sys.stdin.read().split()[1])',
+           'import sys\nprint(sys.stdin.buffer.read().split()[1].decode())',
+           'print(open(0).read().split()[1])',
+           'import os\nprint(os.read(0, 100).split()[1].decode())',
+           'input()\nprint(input())']
+  for prog in reads:
+    assert _one(prog, stdin='a\nb\n', expected='b').passed, prog
+
+
+def test_os_exit_after_printing_counts_and_later_tests_still_run():
+  prog = 'import os\nprint(input(), flush=True)\nos._exit(0)'
+  results = sandbox.run(prog, [('1', '1'), ('2', '2'), ('3', '4')])
+  assert [r.status for r in results] == ['ok', 'ok', 'wrong_answer']
+
+
+def test_tests_are_isolated_from_each_other():
+  prog = ('import builtins\n'
+          'n = globals().get("n", 0) + 1\n'
+          'builtins.seen = getattr(builtins, "seen", 0) + 1\n'
+          'print(n, input())\n')
+  results = sandbox.run(prog, [('a', '1 a'), ('b', '1 b'), ('c', '1 c')])
+  assert all(r.passed for r in results), results  # fresh globals, own stdin
+
+
+def test_threads_and_deep_recursion_are_waited_for_and_allowed():
+  threaded = ('import threading\n'
+              'def main():\n  print(int(input()) * 2)\n'
+              'threading.stack_size(1 << 26)\n'
+              'threading.Thread(target=main).start()\n')
+  assert _one(threaded, stdin='21', expected='42').passed
+  deep = ('import sys\nsys.setrecursionlimit(10**6)\n'
+          'def f(n): return 0 if n == 0 else 1 + f(n - 1)\n'
+          'print(f(100000))\n')
+  assert _one(deep, expected='100000').passed
+
+
+def test_assert_style_checks():
+  prog = 'def add(a, b):\n  return a + b\n'
+  results = sandbox.run(prog, [
+      sandbox.Check('assert add(1, 2) == 3\n'),
+      sandbox.Check('assert add(1, 2) == 4, "bad sum"\n'),
+      sandbox.Check('assert undefined_name(1)\n'),
+      sandbox.Check('def check(candidate):\n  assert candidate(2, 2) == 4\n'
+                    'check(add)\n'),
+      sandbox.Check('def broken(:'),
+  ])
+  assert [r.status for r in results] == ['ok', 'wrong_answer', 'error', 'ok',
+                                         'error']
+  assert 'bad sum' in results[1].detail
+  assert 'does not compile' in results[4].detail
+
+
+def test_exits_do_not_pass_assert_style_checks():
+  for prog in ('import sys\nsys.exit(0)\n', 'import os\nos._exit(0)\n',
+               'raise SystemExit\n', 'import os\nos.close(3)\n'):
+    result, = sandbox.run(prog, [sandbox.Check('assert False\n')])
+    assert not result.passed, (prog, result)
+
+
+# The result channel cannot be forged.
+
+
+def test_printing_exiting_or_closing_stdout_cannot_fake_a_pass():
+  cases = [
+      'print("ok")\nprint("{\\"passed\\": true}")',
+      'import sys\nsys.exit(0)',
+      'import os\nos.close(1)\nos.close(2)\nprint(42)',
+      'import sys\nsys.stdout.close()',
+      # A forged worker event: 'ok' is not a status a worker may report.
+      'import os, marshal\nf = marshal.dumps((0, "ok", ""))\n'
+      'os.write(3, len(f).to_bytes(4, "big") + f)\n',
+      # Claiming 'done' early still needs the right output.
+      'import os, marshal\nf = marshal.dumps((0, "done", ""))\n'
+      'os.write(3, len(f).to_bytes(4, "big") + f)\n',
+      'import os\nos.write(3, b"\\xff" * 64)\n',
+      'import os\nfor fd in range(3, 64):\n'
+      '  try: os.write(fd, b"\\0\\0\\0\\1N" * 8)\n  except OSError: pass\n',
+  ]
+  for prog in cases:
+    results = sandbox.run(prog, [('', '42'), ('', '42')])
+    assert not any(r.passed for r in results), (prog, results)
+
+
+def test_the_harness_cannot_be_traced_or_read():
+  for target in ('/proc/1/fd/1', '/proc/1/mem', '/proc/1/environ'):
+    result = _one(f'open({target!r}, "rb").read(1)\nprint("read")',
+                  expected='read')
+    assert result.status == 'error', (target, result)
+    assert 'Permission' in result.detail, result
+  result = _one('import ctypes\n'
+                'libc = ctypes.CDLL(None)\n'
+                'print(libc.ptrace(16, 1, 0, 0))',  # PTRACE_ATTACH to PID 1
+                expected='0')
+  assert result.status == 'wrong_answer' and result.output == '-1\n'
+
+
+# Containment (the issue's security list).
+
+
+def test_network_is_unreachable(nothing_left):
+  listener = socket.socket()
+  listener.bind(('127.0.0.1', 0))
+  listener.listen(1)
+  listener.setblocking(False)
+  port = listener.getsockname()[1]
+  try:
+    prog = ('import socket\n'
+            f's = socket.create_connection(("127.0.0.1", {port}), timeout=2)\n'
+            'print("connected")\n')
+    result = _one(prog, expected='connected')
+    assert result.status == 'error', result
+    assert 'connected' not in result.output
+    assert 'refused' in result.detail.lower() or 'unreachable' in (
+        result.detail.lower()), result
+    with pytest.raises(BlockingIOError):
+      listener.accept()
+  finally:
+    listener.close()
+
+
+def test_fork_bomb_is_capped_and_cleaned_up(nothing_left):
+  prog = ('import os\n'
+          'while True:\n'
+          '  try:\n    os.fork()\n'
+          '  except OSError:\n    pass\n')
+  start = time.time()
+  results = sandbox.run(prog, [('', ''), ('', '')], time_limit_s=FAST)
+  assert [r.status for r in results] == ['timeout', 'timeout'], results
+  assert time.time() - start < 2 * (FAST * 3 + 1) + 5
+
+
+def test_fork_bomb_in_one_sandbox_does_not_starve_the_others(nothing_left):
+  bomb = 'import os\nwhile True:\n  try: os.fork()\n  except OSError: pass\n'
+  fine = 'import os\npid = os.fork()\nif pid: os.waitpid(pid, 0)\nprint(1)'
+  jobs = [(bomb, [('', '')])] + [(fine, [('', '1')] * 3)] * 3
+  results = sandbox.run_many(jobs, FAST, workers=4)
+  assert results[0][0].status == 'timeout'
+  assert all(r.passed for rs in results[1:] for r in rs), results
+
+
+def test_huge_allocation_is_a_memory_error(nothing_left):
+  assert _one('x = bytearray(4 << 30)').status == 'memory'
+  assert _one('x = [0] * (1 << 30)').status == 'memory'
+
+
+def test_infinite_loop_and_sleep_time_out(nothing_left):
+  start = time.time()
+  result = _one('while True:\n  pass\n', time_limit_s=FAST)
+  assert result.status == 'timeout' and 'CPU' in result.detail
+  assert time.time() - start < FAST * 3 + 1 + 3
+  result = _one('import time\ntime.sleep(60)\n', time_limit_s=FAST)
+  assert result.status == 'timeout' and 'wall' in result.detail
+
+
+def test_huge_output_is_capped(nothing_left):
+  to_stdout = ('import sys\nchunk = "x" * (1 << 20)\n'
+               'for _ in range(200):\n  sys.stdout.write(chunk)\n')
+  result = _one(to_stdout)
+  assert result.status == 'output_limit', result
+  assert len(result.output) <= sandbox.Limits().keep_output
+  to_file = ('with open("big", "wb") as f:\n'
+             '  for _ in range(200):\n    f.write(b"x" * (1 << 20))\n')
+  result = _one(to_file)
+  assert result.status == 'output_limit', result
+  many_files = ('for i in range(200):\n'
+                '  with open(f"/tmp/f{i}", "wb") as f:\n'
+                '    f.write(b"x" * (1 << 20))\n')
+  result = _one(many_files)  # the private /tmp is size-capped
+  assert result.status == 'error' and 'No space' in result.detail, result
+
+
+@pytest.mark.parametrize('path', [
+    '/pwned', '/usr/pwned', '/usr/lib/pwned', '/tmp/rla_sandbox_pwned',
+    '/var/tmp/rla_sandbox_pwned', '/dev/shm/rla_sandbox_pwned',
+    '/dev/rla_sandbox_pwned', os.path.expanduser('~/rla_sandbox_pwned'),
+    os.path.join(os.getcwd(), 'rla_sandbox_pwned'), '../rla_sandbox_pwned'])
+def test_writes_outside_the_sandbox_never_reach_the_host(path, nothing_left):
+  host_path = os.path.normpath(os.path.join('/tmp', path))
+  assert not os.path.exists(host_path)
+  result = _one(f'open({path!r}, "w").write("x")\nprint("wrote")',
+                expected='wrote')
+  assert not os.path.exists(host_path), host_path
+  if result.status == 'error':  # refused: read-only or not even there
+    assert ('Read-only' in result.detail or 'No such file' in result.detail
+            or 'Permission' in result.detail), result
+  else:  # a private tmpfs that vanished with the sandbox
+    assert result.passed and path.startswith(('/tmp', '/dev/shm')), result
+
+
+def test_files_of_root_are_not_visible(nothing_left):
+  secret = 'rla-secret-' + os.urandom(8).hex()
+  fd, path = tempfile.mkstemp(dir=os.path.expanduser('~'))
+  try:
+    os.write(fd, secret.encode())
+    os.close(fd)
+    for target in (path, '/etc/shadow', '/etc/passwd'):
+      result = _one(f'print(open({target!r}).read())', expected=secret)
+      assert result.status == 'error', (target, result)
+      assert secret not in result.output
+  finally:
+    os.unlink(path)
+
+
+def test_killing_the_parent_or_everyone_is_contained(nothing_left):
+  cases = {
+      'import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(1)':
+          'ok',  # the harness is PID 1 of the sandbox: immune
+      'import os, signal\nos.kill(1, signal.SIGTERM)\nprint(1)': 'ok',
+      'import os, signal\nos.kill(1, signal.SIGINT)\nprint(1)': 'ok',
+      'import os\ntry:\n  os.kill(-1, 9)\nexcept OSError:\n  pass\nprint(1)':
+          'ok',  # nothing else to kill in its namespace
+      f'import os\nos.kill({os.getpid()}, 9)\nprint(1)': 'error',  # not here
+      'import os, signal\nos.killpg(0, signal.SIGKILL)': 'error',
+      'import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)': 'timeout',
+  }
+  for prog, status in cases.items():
+    results = sandbox.run(prog, [('', '1'), ('', '1')], time_limit_s=FAST)
+    assert [r.status for r in results] == [status] * 2, (prog, results)
+
+
+# Parallel runs and configuration.
+
+
+def test_run_many_matches_run_and_keeps_order(nothing_left):
+  jobs = [(f'print({i} * int(input()))', [('2', str(2 * i)), ('3', '0')])
+          for i in range(6)]
+  results = sandbox.run_many(jobs, workers=3)
+  assert [[r.status for r in rs] for rs in results] == [
+      ['ok', 'ok']] + [['ok', 'wrong_answer']] * 5
+  assert results[2] == [r for r in results[2]]
+  per_job = sandbox.run_many([('print(1)', [('', '1')], 0.2)])
+  assert per_job[0][0].passed
+
+
+def test_missing_bwrap_refuses_unless_allowed(monkeypatch, caplog):
+  monkeypatch.setattr(sandbox, 'available', lambda: False)
+  with pytest.raises(sandbox.SandboxUnavailable, match='apt-get install'):
+    sandbox.run('print(1)', [('', '1')])
+  limits = sandbox.Limits(allow_unsandboxed=True)
+  monkeypatch.setattr(sandbox, '_warned_unsandboxed', False)
+  with caplog.at_level(logging.WARNING):
+    results = sandbox.run('print(1)', [('', '1'), ('', '2')], limits=limits)
+  assert [r.status for r in results] == ['ok', 'wrong_answer']
+  assert 'WITHOUT a sandbox' in caplog.text
+
+
+def test_a_missing_interpreter_is_an_infrastructure_error():
+  limits = sandbox.Limits(python='/nonexistent/python3')
+  with pytest.raises(sandbox.SandboxUnavailable):
+    sandbox.run('print(1)', [('', '1')], limits=limits)
+  assert sandbox.run('print(1)', []) == []
+  assert sandbox.run(None, [('', '1')])[0].status == 'error'
+
+
+def test_limits_reach_the_program():
+  prog = ('import resource\n'
+          'print(resource.getrlimit(resource.RLIMIT_AS)[0] >> 20,\n'
+          '      resource.getrlimit(resource.RLIMIT_NPROC)[0])\n')
+  assert _one(prog, expected='256 8', memory_mb=256, processes=8).passed
+  assert stat.S_ISDIR(os.stat('/tmp').st_mode)  # the host /tmp is untouched
+
+
+def test_a_hung_harness_is_killed_innermost_first(monkeypatch, nothing_left):
+  # The host's own deadline only fires when the harness is stuck; make it
+  # fire first (before the harness's wall-clock limit) to test that path.
+  monkeypatch.setattr(sandbox, '_GRACE_S', -2.0)
+  start = time.time()
+  with pytest.raises(sandbox.SandboxError, match='did not finish'):
+    sandbox.run('import time\ntime.sleep(30)', [('', '')], time_limit_s=FAST)
+  assert time.time() - start < 5
+
+
+def test_large_inputs_and_escaped_daemons(nothing_left):
+  big = ' '.join(['7'] * (6 << 20))  # 12 MB of input: over file_mb
+  prog = ('import os\nprint(len(os.read(0, os.fstat(0).st_size).split()))')
+  assert _one(prog, stdin=big, expected=str(len(big.split())), file_mb=1,
+              memory_mb=1024).passed
+  daemon = ('import os, time\n'
+            'if os.fork() == 0:\n'
+            '  os.setsid()\n'
+            '  if os.fork() == 0:\n'
+            '    time.sleep(60)\n'
+            '  os._exit(0)\n'
+            'print(1)\n')
+  assert _one(daemon, expected='1').passed  # the grandchild dies with it
