@@ -5,7 +5,8 @@
       --config.reward_model.path=/models/Qwen2.5-7B-Instruct \
       --config.env_model.path=/models/Qwen2.5-7B-Instruct \
       --config.env.train_data=/data/code_contests_train.jsonl \
-      --config.env.eval_data=/data/livebench_code.jsonl
+      --config.env.eval_files.livebench=/data/livebench_code.jsonl \
+      --config.eval.splits="('livebench', 'humaneval')"
 
 Hyper-parameters of RLANYTHING.md section 6 (coding column): 64 tasks per
 step, 32 programs per task, 16 RM unit tests per task, 300 steps. Programs
@@ -37,8 +38,9 @@ def env_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       name='coding',  # rla_jax/envs/coding.py
       train_data='builtin',  # 'builtin' | CodeContests-style .jsonl path
-      eval_data='humaneval',  # 'builtin' | 'humaneval' | LiveBench-style
-                              # .jsonl path (coding_data.load_livebench)
+      # Evaluation sets by split name (config.eval.splits): 'humaneval'
+      # (offline) and 'builtin' need no file; these need a JSONL path.
+      eval_files=dict(livebench='', livecodebench='', codecontests=''),
       num_train=64,  # problems (0 = all of a file; built-in: how many)
       num_eval=0,  # 0 = all
       time_limit_s=1.0,  # CPU s per test when a problem gives none (the
@@ -122,7 +124,8 @@ def get_config(arg: str = 'full'):
   config.train.policy.max_response_len = 2048
   config.train.reward_model.max_response_len = 4096
   # All of HumanEval (164) or of a LiveBench file, evaluated greedily.
-  config.eval.update(every=10, num_tasks=1000, group_size=1, max_turns=1)
+  config.eval.update(every=10, splits=('humaneval',), num_tasks=1000,
+                     group_size=1, max_turns=1)
   config.eval.sampling.update(temperature=0.0, max_new_tokens=2000,
                               max_prompt_len=2048)
   config.loop.update(num_epochs=300, checkpoint_every=30)
@@ -139,7 +142,6 @@ def _smoke(config):
   for name, seed in (('policy', 0), ('reward_model', 1), ('env_model', 2)):
     config[name].update(path='', dtype='float32', seed=seed)
   config.env.update(num_train=6, num_eval=3, time_limit_s=1.0,
-                    eval_data='builtin',
                     answer_prefix='```python\n', judge_prefix='**Test Input:**'
                     '\n```\n')
   config.env.builtin.update(levels=(2, 3), num_tests=4)
@@ -162,7 +164,7 @@ def _smoke(config):
                               max_prompt_len=512, max_response_len=24,
                               prompt_buckets=(256, 512), response_buckets=(24,),
                               head_chunk=64)
-  config.eval.update(every=2, num_tasks=3, group_size=1)
+  config.eval.update(every=2, splits=('builtin',), num_tasks=3, group_size=1)
   config.eval.sampling.update(temperature=0.0, max_new_tokens=24, **small)
   config.loop.update(num_epochs=1, checkpoint_every=1, keep_checkpoints=2,
                      env_threads=4)

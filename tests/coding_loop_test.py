@@ -112,7 +112,8 @@ def test_two_epochs_train_both_models_rewrite_and_resume(tmp_path,
   assert first['curator/requested'] >= 1
   assert first['curator/triggered_harder'] >= 1
   assert first['curator/triggered_easier'] >= 1
-  assert 'eval/eval/code' in first and 'eval/eval/rm_ut_accuracy' in first
+  assert 'eval/builtin/code' in first
+  assert 'eval/builtin/rm_ut_accuracy' in first
   last = _run(workdir, 2, monkeypatch)  # resumes from epoch 1
   assert last['policy/examples'] > 0
   pool = curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))

@@ -361,7 +361,12 @@ def test_prompts_and_descriptions():
   assert coding.EVAL_NOTE not in train[0]['content']
   evaluation = env.policy_messages({**ADD_SPEC, 'split': 'eval'}, [], '')
   assert coding.EVAL_NOTE in evaluation[0]['content']
-  assert all(s['split'] == 'eval' for s in env.tasks('eval'))
+  assert all(s['split'] == 'builtin' for s in env.tasks('builtin'))
+  assert len(env.tasks('humaneval')) == 3  # num_eval of :smoke
+  with pytest.raises(ValueError, match='eval_files.livebench is not set'):
+    env.tasks('livebench')
+  with pytest.raises(ValueError, match='unknown coding split'):
+    env.tasks('apps')
   rm = env.rm_messages(ADD_SPEC)
   assert ADD_SPEC['question'] in rm[0]['content']
   assert '**Test Input:**' in rm[0]['content']

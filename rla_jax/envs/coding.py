@@ -238,28 +238,40 @@ class CodingEnv:
     self._tasks: dict[str, list[dict[str, Any]]] = {}
 
   def tasks(self, split: str) -> list[dict[str, Any]]:
-    if split not in ('train', 'eval'):
-      raise ValueError(f'unknown split {split!r}')
+    """'train' (config.env.train_data) or an evaluation split: 'humaneval',
+    'builtin' (held-out generated problems) or a name of
+    config.env.eval_files (livebench, livecodebench, codecontests)."""
     if split not in self._tasks:
       specs = self._load(split)
-      if split == 'eval':
-        specs = [{**s, 'split': 'eval'} for s in specs]
+      if split != 'train':
+        specs = [{**s, 'split': split} for s in specs]
       self._tasks[split] = specs
     return self._tasks[split]
 
   def _load(self, split):
     c = self.config
-    data = c.train_data if split == 'train' else c.eval_data
-    count = c.num_train if split == 'train' else c.num_eval
+    if split == 'train':
+      data, count = c.train_data, c.num_train
+    elif split in ('humaneval', 'builtin'):
+      data, count = split, c.num_eval
+    elif split in c.eval_files:
+      data, count = c.eval_files[split], c.num_eval
+      if not data:
+        raise ValueError(f'config.eval.splits has {split!r} but '
+                         f'config.env.eval_files.{split} is not set (a '
+                         'JSONL file, see rla_jax/envs/coding_data.py)')
+    else:
+      raise ValueError(f'unknown coding split {split!r}: train, humaneval, '
+                       f'builtin or one of {sorted(c.eval_files)}')
     if data == 'builtin':
       b = c.builtin
       return coding_data.builtin_tasks(
-          split, count, seed=b.seed, num_tests=b.num_tests,
-          levels=tuple(b.levels), time_limit_s=c.time_limit_s,
-          kinds=tuple(b.kinds))
+          'train' if split == 'train' else 'eval', count, seed=b.seed,
+          num_tests=b.num_tests, levels=tuple(b.levels),
+          time_limit_s=c.time_limit_s, kinds=tuple(b.kinds))
     if data == 'humaneval':
       specs = coding_data.load_humaneval(c.time_limit_s)
-    elif split == 'train':
+    elif split in ('train', 'codecontests'):
       specs = coding_data.load_codecontests(
           data, time_limit_s=c.time_limit_s, max_tests=c.max_tests)
     else:
@@ -278,7 +290,7 @@ class CodingEnv:
       text = HUMANEVAL_PROMPT.format(prompt=spec['prompt'])
     else:
       text = f'{POLICY_PROMPT}\n\n{spec["question"]}'
-      if spec.get('split') == 'eval':
+      if spec.get('split', 'train') != 'train':
         text += f'\n\n{EVAL_NOTE}'
     messages = [{'role': 'user', 'content': text}]
     if self.answer_prefix:
