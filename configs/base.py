@@ -102,6 +102,9 @@ def train_section(**overrides) -> ml_collections.ConfigDict:
                     # XLA:CPU drops the barrier and keeps activations)
       shuffle=True,  # seeded grain shuffle before splitting into steps
                      # (the authors don't shuffle)
+      max_nonfinite_steps=8,  # a step with a non-finite loss or gradient
+                              # norm is skipped; this many in a row (across
+                              # epochs and resumes) stop the run
       seed=0,
   )
   section.update(overrides)
@@ -187,6 +190,9 @@ def get_config() -> ml_collections.ConfigDict:
       keep_checkpoints=3,
       env_threads=8,  # concurrent environment steps on the host
       compilation_cache_dir='~/.cache/rla_jax/xla',  # '' = no persistent cache
+      preempt_grace_s=30.0,  # SIGTERM/SIGINT: seconds to stop cleanly with
+                             # a checkpoint before exiting anyway; keep it
+                             # below the cluster's kill delay
   )
   return config
 

@@ -426,6 +426,9 @@ def save_jsonl(pool: Sequence[structs.Task], path: str) -> None:
   with open(tmp, 'w', encoding='utf-8') as f:
     for task in pool:
       f.write(json.dumps(task_to_dict(task), ensure_ascii=False) + '\n')
+    # On disk before the rename, so a crash never leaves a truncated pool.
+    f.flush()
+    os.fsync(f.fileno())
   os.replace(tmp, path)
 
 

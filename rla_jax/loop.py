@@ -4,6 +4,10 @@ epoch: policy rollouts (sampled tasks + last epoch's rewrites) -> RM
 judgments -> acceptance of last epoch's rewrites from their rollouts ->
 critiques and new rewrites -> feedback -> policy update -> RM update ->
 (periodic) evaluation on held-out splits -> checkpoint.
+
+A SIGTERM/SIGINT stops the run at the next stage boundary (`_Timer`, and
+before evaluation and checkpoint) with a consistent checkpoint: what is kept at
+each point is in rla_jax/preemption.py.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from rla_jax import curator
 from rla_jax import feedback
 from rla_jax import judge
 from rla_jax import metrics
+from rla_jax import preemption
 from rla_jax import rollout
 from rla_jax import sharding
 from rla_jax import structs
@@ -65,6 +70,8 @@ class Run:
   writer: metrics.Writer
   executor: futures.ThreadPoolExecutor
   chief: bool
+  saved_epoch: int = 0  # newest epoch with a committed checkpoint
+  eval_pending: bool = False  # its evaluation was skipped by a stop
 
 
 def _seed(config, *keys: int) -> int:
@@ -124,12 +131,16 @@ def _cut_frac(items) -> float:
 
 
 class _Timer:
+  """Times the stages of an epoch; entering one is a stop point."""
 
   def __init__(self, values: dict[str, float], epoch: int, chief: bool):
     self.values, self.epoch, self.chief = values, epoch, chief
 
   @contextlib.contextmanager
   def __call__(self, stage: str):
+    stopper = preemption.current()
+    if stopper is not None:  # may drop the epoch (raises Preempted)
+      stopper.boundary(f'epoch {self.epoch}: {stage}')
     if self.chief:
       print(f'epoch {self.epoch}: {stage}', flush=True)
     start = time.perf_counter()
@@ -472,21 +483,9 @@ def pool_digest(pool_state) -> str:
   return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _save(run: Run, ckpt: checkpoint.Checkpointer, epoch: int):
-  meta = {'epoch': epoch, 'pool': curator.state(run.pool),
-          'task_order': run.order.get_state(), 'seed': run.config.seed,
-          'steps': {name: int(s.step) for name, s in run.states.items()}}
-  ckpt.save(epoch, {name: train.state_dict(s) for name, s in
-                    run.states.items()}, meta)
-
-
-def _restore(run: Run, ckpt: checkpoint.Checkpointer, epoch: int):
-  targets = {name: train.state_dict(s) for name, s in run.states.items()}
-  trees, meta = ckpt.restore(epoch, targets)
-  run.states = {name: train.state_from_dict(trees[name])
-                for name in run.states}
-  run.pool = curator.from_state(meta['pool'])
-  run.order.set_state(meta['task_order'])
+def _save_pool(run: Run, pool):
+  if run.chief:
+    curator.save_jsonl(pool, os.path.join(run.workdir, 'pool.jsonl'))
 
 
 def _report(run: Run, epoch: int, values: dict[str, float]):
@@ -497,49 +496,103 @@ def _report(run: Run, epoch: int, values: dict[str, float]):
     print(metrics.summary_line(epoch, values, SUMMARY_KEYS), flush=True)
 
 
-def run(config, workdir: str) -> dict[str, float]:
-  """Trains for config.loop.num_epochs epochs (resuming if possible)."""
+def _stopped(run: Run, ckpt, stopper, resume_command: str):
+  if run.chief:
+    print(stopper.summary(ckpt.path(run.saved_epoch) if run.saved_epoch
+                          else '', run.eval_pending, resume_command),
+          flush=True)
+
+
+def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
+  """Trains for config.loop.num_epochs epochs (resuming if possible).
+
+  Returns the last epoch's scalars; on SIGTERM/SIGINT it checkpoints and
+  returns early, printing `resume_command`. One run per workdir (a lock).
+  """
   validate(config)
+  preemption.check_keys(config)
   os.makedirs(workdir, exist_ok=True)
-  if config.loop.compilation_cache_dir:
-    # Restarts and later runs reuse compiled programs instead of recompiling.
-    jax.config.update('jax_compilation_cache_dir',
-                      os.path.expanduser(config.loop.compilation_cache_dir))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
-  state = _setup(config, workdir)
-  if state.chief:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                 config.loop.keep_checkpoints)
-  first = 1
-  latest = ckpt.latest_epoch()
-  if latest is not None:
-    _restore(state, ckpt, latest)
-    first = latest + 1
-    line = (f'resumed from epoch {latest} checkpoint; starting epoch {first} '
-            f'(pool {pool_digest(curator.state(state.pool))}, '
+  with preemption.guard(workdir, config.loop.preempt_grace_s,
+                        chief=jax.process_index() == 0) as stopper:
+    if config.loop.compilation_cache_dir:
+      # Restarts and later runs reuse compiled programs instead of recompiling.
+      jax.config.update('jax_compilation_cache_dir',
+                        os.path.expanduser(config.loop.compilation_cache_dir))
+      jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+    state = _setup(config, workdir)
+    if state.chief:
+      with open(os.path.join(workdir, 'config.json'), 'w') as f:
+        f.write(config.to_json_best_effort(indent=2))
+    # The lock is held, so unfinished saves in the folder are dead ones.
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                   config.loop.keep_checkpoints,
+                                   clean_tmp=True)
+    try:
+      with sharding.use(state.mesh, state.rules):
+        return _epochs(state, ckpt, stopper, resume_command)
+    finally:
+      ckpt.close()
+      state.writer.close()
+      state.executor.shutdown()
+
+
+def _epochs(state: Run, ckpt, stopper, resume_command: str):
+  """Resume, then epochs until the last or a stop; returns the last scalars."""
+  config = state.config
+  latest = checkpoint.restore_run(ckpt, state)
+  if latest:
+    line = (f'resumed from epoch {latest} checkpoint; starting epoch '
+            f'{latest + 1} (pool {pool_digest(curator.state(state.pool))}, '
             f'policy step {int(state.states["policy"].step)})')
     logging.info('%s in %s', line, ckpt.directory)
     if state.chief:
       print(line, flush=True)
   last: dict[str, float] = {}
-  with sharding.use(state.mesh, state.rules):
-    if first == 1 and config.eval.every:
-      _report(state, 0, _evaluate(state, 0))
-    for epoch in range(first, config.loop.num_epochs + 1):
+  if stopper.requested():  # a signal during set-up
+    _stopped(state, ckpt, stopper, resume_command)
+    return last
+  if config.eval.every and (latest == 0 or state.eval_pending):
+    stopper.where = f'epoch {latest}: evaluation'
+    values = _evaluate(state, latest)
+    if stopper.requested():  # not reported: it runs again on resume
+      _stopped(state, ckpt, stopper, resume_command)
+      return last
+    state.eval_pending = False
+    _report(state, latest, values)
+  for epoch in range(latest + 1, config.loop.num_epochs + 1):
+    start = checkpoint.run_meta(state, epoch - 1)
+    start_states = dict(state.states)
+    # The epoch can be dropped while the states are those it started from.
+    stopper.abandonable = lambda held=start_states: all(
+        state.states[n] is s for n, s in held.items())
+    try:
       values = _epoch(state, epoch)
-      state.pool = _broadcast_pool(state.pool)
-      is_last = epoch == config.loop.num_epochs
-      if config.eval.every and (epoch % config.eval.every == 0 or is_last):
+    except preemption.Preempted:
+      if state.saved_epoch < epoch - 1:
+        checkpoint.save_run(ckpt, state, epoch - 1, start)
+      _save_pool(state, curator.from_state(start['pool']))
+      _stopped(state, ckpt, stopper, resume_command)
+      return last
+    finally:
+      stopper.abandonable = lambda: False
+    state.pool = _broadcast_pool(state.pool)
+    is_last = epoch == config.loop.num_epochs
+    stop = stopper.requested()
+    if config.eval.every and (epoch % config.eval.every == 0 or is_last):
+      state.eval_pending = stop
+      if not stop:
+        stopper.where = f'epoch {epoch}: evaluation'
         values.update(_evaluate(state, epoch))
-      if epoch % config.loop.checkpoint_every == 0 or is_last:
-        _save(state, ckpt, epoch)
-      if state.chief:
-        curator.save_jsonl(state.pool, os.path.join(workdir, 'pool.jsonl'))
-      _report(state, epoch, values)
-      last = values
-  ckpt.close()
-  state.writer.close()
-  state.executor.shutdown()
+    stop = stopper.requested()
+    if epoch % config.loop.checkpoint_every == 0 or is_last or stop:
+      stopper.where = f'epoch {epoch}: checkpoint'
+      checkpoint.save_run(ckpt, state, epoch)
+    _save_pool(state, state.pool)
+    _report(state, epoch, values)
+    last = values
+    if stopper.requested():
+      if state.saved_epoch < epoch:  # the signal came after the save
+        checkpoint.save_run(ckpt, state, epoch)
+      _stopped(state, ckpt, stopper, resume_command)
+      return last
   return last

@@ -2,10 +2,14 @@
 
 Config keys are overridable as flags (`--config.rollout.sampling.temperature=0.7`);
 `--config.loop.num_epochs=N` sets the total number of epochs, also when the
-run resumes from a checkpoint in DIR.
+run resumes from a checkpoint in DIR. SIGTERM or Ctrl-C stops it cleanly
+with a checkpoint (exit 0); the same command resumes. Errors a user can act
+on (workdir in use, no restorable checkpoint, a failed save, non-finite
+training) print one line and exit 1.
 """
 
 import os
+import shlex
 import sys
 
 from absl import app
@@ -45,8 +49,22 @@ def main(argv):
   if _DISTRIBUTED.value:
     _initialize_distributed()
   # Imported here so `--help` and flag errors are instant.
-  from rla_jax import loop  # pylint: disable=g-import-not-at-top
-  loop.run(_CONFIG.value, os.path.abspath(_WORKDIR.value))
+  # pylint: disable=g-import-not-at-top
+  from rla_jax import checkpoint
+  from rla_jax import loop
+  from rla_jax import preemption
+  from rla_jax import train
+  # pylint: enable=g-import-not-at-top
+  command = shlex.join([sys.executable, '-m', 'rla_jax.main', *sys.argv[1:]])
+  try:
+    loop.run(_CONFIG.value, os.path.abspath(_WORKDIR.value),
+             resume_command=command)
+  except (preemption.LockedError, checkpoint.RestoreError,
+          checkpoint.SaveError, checkpoint.ConfigMismatchError,
+          train.NonFiniteLossError) as e:
+    logging.info('%s', type(e).__name__, exc_info=True)  # shown with -v 0
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

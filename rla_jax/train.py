@@ -53,7 +53,10 @@ def state_from_dict(tree: dict[str, Any]) -> TrainState:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """A step produced a non-finite loss; `state` is the state before it."""
+  """Too many steps in a row were non-finite; `state` is the (unchanged) state.
+
+  Each such step is skipped; `train.max_nonfinite_steps` in a row raise this.
+  """
 
   def __init__(self, message: str, state: TrainState):
     super().__init__(message)
@@ -232,7 +235,7 @@ def policy_step(state: TrainState, batch: batching.Batch, *, graphdef,
   """One optimizer step on the summed gradient of all micro-batches.
 
   A step whose loss or gradient is not finite leaves the state unchanged
-  (the host raises on it, see `update`).
+  (the host counts and logs it, see `update`).
   """
   grads, loss, metrics = _accumulate(state.params, batch, graphdef, loss_cfg,
                                      head_chunk, grad_shardings)
@@ -275,6 +278,10 @@ class Trainer:
   compute with float32 master weights: dtype='bfloat16',
   param_dtype='float32'); `train.remat` rematerialises each block.
   """
+
+  # Non-finite (skipped) steps in a row, across update() calls: host state of
+  # the run, checkpointed with it (rla_jax.checkpoint.run_meta).
+  nonfinite_streak = 0
 
   def __init__(self, graphdef, optim_config, train_config, mesh=None,
                rules=sharding.DEFAULT_RULES, *, kind: str = POLICY):
@@ -379,8 +386,9 @@ class Trainer:
 
 
 def _epoch_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
-  out = {}
-  for key in per_step[0]:
+  """Step metrics over the applied (finite) steps."""
+  out = dict(tokens=0.0, sequences=0.0)
+  for key in per_step[0] if per_step else ():
     values = [m[key] for m in per_step]
     if key == 'ratio_max':
       out[key] = max(values)
@@ -484,9 +492,13 @@ def update(trainer: Trainer, state: TrainState,
     tokens_per_s; logprob_gap_mean / _max (|sampler - pi_old| per response
     token, when the examples carry sampler log-probs).
 
+    skipped_steps: steps whose loss or gradient norm was not finite; they
+    leave the state unchanged, are logged with their examples' keys and are
+    left out of the other metrics.
+
   Raises:
-    NonFiniteLossError: a step's loss or gradient norm is not finite. The
-      error names the step; its `state` is the state before that step.
+    NonFiniteLossError: `train.max_nonfinite_steps` steps in a row (counted
+      across calls in `trainer.nonfinite_streak`) were not finite.
   """
   c = trainer.train_config
   start = time.perf_counter()
@@ -495,24 +507,39 @@ def update(trainer: Trainer, state: TrainState,
       max_response_len=c.max_response_len, overlong_prompt=c.overlong_prompt)
   base = dict(examples=float(len(examples)), dropped=float(dropped))
   if not kept:
-    return state, dict(base, steps=0.0, tokens=0.0, sequences=0.0,
-                       time_s=time.perf_counter() - start)
+    return state, dict(base, steps=0.0, skipped_steps=0.0, tokens=0.0,
+                       sequences=0.0, time_s=time.perf_counter() - start)
   if trainer.optim_config.reset_every_epoch:
     state = trainer.reset_optimizer(state)
-  batches, gaps = _batches(trainer, state, _steps(c, kept, epoch), ref_params)
-  first_step = int(state.step)
-  per_step = []
-  for i, batch in enumerate(metrics_lib.progress(
-      batches, desc=f'{trainer.kind} updates')):
+  groups = _steps(c, kept, epoch)
+  batches, gaps = _batches(trainer, state, groups, ref_params)
+  per_step, skipped = [], 0
+  for i, (group, batch) in enumerate(zip(groups, metrics_lib.progress(
+      batches, desc=f'{trainer.kind} updates'), strict=True)):
     state, metrics = trainer.step(state, batch)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not (np.isfinite(metrics['loss']) and np.isfinite(metrics['grad_norm'])):
+    if np.isfinite(metrics['loss']) and np.isfinite(metrics['grad_norm']):
+      trainer.nonfinite_streak = 0
+      per_step.append(metrics)
+      continue
+    skipped += 1
+    trainer.nonfinite_streak += 1
+    where = (f'{trainer.kind} update {i + 1}/{len(batches)} of epoch {epoch} '
+             f'(at step {int(state.step)}): loss={metrics["loss"]}, '
+             f'grad_norm={metrics["grad_norm"]}')
+    logging.warning('skipped %s; parameters and optimizer state unchanged '
+                    '(%d non-finite steps in a row); examples: %s', where,
+                    trainer.nonfinite_streak,
+                    ' '.join(e.key or '?' for e in group))
+    if trainer.nonfinite_streak >= c.max_nonfinite_steps:
       raise NonFiniteLossError(
-          f'{trainer.kind} train step {first_step + i} (epoch {epoch}, update '
-          f'{i + 1}/{len(batches)}): loss={metrics["loss"]}, grad_norm='
-          f'{metrics["grad_norm"]}; parameters were not updated', state)
-    per_step.append(metrics)
+          f'{trainer.nonfinite_streak} non-finite {trainer.kind} train steps '
+          f'in a row (train.max_nonfinite_steps={c.max_nonfinite_steps}), '
+          f'the last {where}; the skipped steps\' example keys are in the '
+          'log. Lower the learning rate or fix the data; a resume continues '
+          'the count', state)
   out = dict(_epoch_metrics(per_step), **base, steps=float(len(per_step)),
+             skipped_steps=float(skipped),
              **_gap_metrics(trainer, gaps, epoch))
   out['time_s'] = time.perf_counter() - start
   out['tokens_per_s'] = out['tokens'] / out['time_s']

@@ -291,3 +291,71 @@ def test_base_config_uses_the_authors_stop_strings():
   # The base limits train on what was sampled (0 = the sampler's).
   assert loop.train_limits(config, 'policy') == (2048, 2000)
   assert loop.train_limits(config, 'reward_model') == (4096, 4000)
+
+
+# main with the policy's pi_old log-probs set to NaN in the first policy step
+# (argv[1] == 'first') or in all of them ('all'): a real non-finite loss.
+NAN_POLICY_STEPS = """
+import runpy, sys
+import jax.numpy as jnp
+from rla_jax import train
+real, mode, poisoned = train.Trainer.step, sys.argv.pop(1), []
+
+def step(self, state, batch):
+  if self.kind == train.POLICY and (mode == 'all' or not poisoned):
+    poisoned.append(1)
+    batch = batch.replace(
+        old_logp_MxBxR=jnp.full_like(batch.old_logp_MxBxR, jnp.nan))
+  return real(self, state, batch)
+
+train.Trainer.step = step
+sys.argv = ['main', *sys.argv[1:]]
+runpy.run_module('rla_jax.main', run_name='__main__')
+"""
+
+
+def _nan_main(workdir, mode, *flags):
+  env = dict(os.environ, XLA_FLAGS='', PYTHONPATH=ROOT)
+  cmd = [sys.executable, '-c', NAN_POLICY_STEPS, mode,
+         '--config=configs/tiny.py', f'--workdir={workdir}',
+         '--config.loop.num_epochs=2', '--config.eval.every=0', *flags]
+  return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=600,
+                        check=False)
+
+
+def test_non_finite_step_is_skipped_counted_and_logged(tmp_path):
+  workdir = str(tmp_path)
+  proc = _nan_main(workdir, 'first')
+  assert proc.returncode == 0, proc.stdout
+  rows = {r['step']: r for r in _scalars(workdir) if 'policy/steps' in r}
+  assert [(rows[e]['policy/skipped_steps'], rows[e]['policy/steps'])
+          for e in (1, 2)] == [(1, 1), (0, 2)]
+  assert checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                 2).meta(2)['steps']['policy'] == 3
+  logged = [line for line in proc.stdout.splitlines()
+            if 'skipped policy update 1/2 of epoch 1 (at step 0): loss=nan' in
+            line]
+  assert len(logged) == 1, proc.stdout
+  keys = logged[0].split('examples: ')[1].split()
+  assert keys and all(k.startswith('train') and k.count('/') >= 3
+                      for k in keys), keys
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_across_a_resume(tmp_path):
+  workdir = str(tmp_path)
+  limit = '--config.train.policy.max_nonfinite_steps=3'
+  proc = _nan_main(workdir, 'all', limit)
+  # Epoch 1 skips its 2 steps; the first of epoch 2 is the 3rd in a row.
+  assert proc.returncode == 1, proc.stdout
+  assert ('error: 3 non-finite policy train steps in a row '
+          '(train.max_nonfinite_steps=3), the last policy update 1/2 of epoch '
+          '2') in proc.stdout, proc.stdout
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), 2)
+  assert ckpt.latest_epoch() == 1
+  assert ckpt.meta(1)['nonfinite_streak'] == {'policy': 2, 'reward_model': 0}
+  # The count is part of the run: a resume goes on from 2, not from 0.
+  proc = _nan_main(workdir, 'all', limit)
+  assert proc.returncode == 1, proc.stdout
+  assert 'resumed from epoch 1 checkpoint' in proc.stdout
+  assert 'error: 3 non-finite policy train steps in a row' in proc.stdout

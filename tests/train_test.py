@@ -3,6 +3,7 @@
 # pylint: disable=protected-access  (counting a Trainer's compiled programs)
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -46,7 +47,8 @@ def train_config(**overrides):
       prompt_buckets=(12,), response_buckets=(16,), clip_eps=0.2,
       kl_coef=0.01, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=True, head_chunk=64,
-      remat=False, shuffle=False, seed=0, logprob_gap_warn=0.05)
+      remat=False, shuffle=False, seed=0, logprob_gap_warn=0.05,
+      max_nonfinite_steps=8)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 
@@ -344,16 +346,45 @@ def test_update_reports_drops_and_handles_empty_lists(trainer, params):
   assert int(state.step) == 2
 
 
-def test_non_finite_loss_names_the_step(trainer, params):
+def test_non_finite_steps_are_skipped_logged_and_limited(trainer, params,
+                                                         caplog):
   state = trainer.init_state(params)
   state, _ = train.update(trainer, state, examples(20), epoch=0)
   bad = jax.tree.map(lambda x: x, state.params)
   bad['final_norm']['scale'] = bad['final_norm']['scale'] * jnp.nan
   state = state.replace(params=bad)
-  message = r'policy train step 2 \(epoch 7, update 1/2\)'
-  with pytest.raises(train.NonFiniteLossError, match=message) as error:
-    train.update(trainer, state, examples(20), epoch=7)
-  assert int(error.value.state.step) == 2
+  before = host(state)
+  exs = [dataclasses.replace(e, key=f'task{i}/train/0/0')
+         for i, e in enumerate(examples(20))]
+  limit = trainer.train_config.max_nonfinite_steps
+  trainer.train_config.max_nonfinite_steps = 3
+  try:
+    with caplog.at_level(logging.WARNING):
+      state, metrics = train.update(trainer, state, exs, epoch=7)
+    # Both steps skipped: parameters and optimizer state as they were.
+    assert metrics['skipped_steps'] == 2 and metrics['steps'] == 0
+    assert metrics['tokens'] == 0 and 'loss' not in metrics
+    assert_trees_close(state, before, atol=0)
+    assert trainer.nonfinite_streak == 2
+    logged = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith('skipped policy update')]
+    assert len(logged) == 2
+    assert 'update 1/2 of epoch 7 (at step 2): loss=nan' in logged[0]
+    keys = {k for line in logged for k in line.split('examples: ')[1].split()}
+    assert keys == {e.key for e in exs}
+    # The count goes on across calls (epochs) up to the limit.
+    with pytest.raises(train.NonFiniteLossError,
+                       match=r'3 non-finite policy train steps in a row '
+                       r'\(train.max_nonfinite_steps=3\), the last policy '
+                       r'update 1/2 of epoch 8') as error:
+      train.update(trainer, state, exs, epoch=8)
+    assert int(error.value.state.step) == 2
+    # A finite step ends the run of them.
+    train.update(trainer, trainer.init_state(params), exs, epoch=9)
+    assert trainer.nonfinite_streak == 0
+  finally:
+    trainer.train_config.max_nonfinite_steps = limit
+    trainer.nonfinite_streak = 0
 
 
 def test_frozen_reference_model_gives_kl(trainer, params):
