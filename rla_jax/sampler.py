@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 
 import flax.struct
@@ -100,7 +101,8 @@ class _Loop:
 
 
 def _map_rows(fn, cache: transformer.KVCache) -> transformer.KVCache:
-  return cache.replace(k=tuple(map(fn, cache.k)), v=tuple(map(fn, cache.v)),
+  """fn([B, S, ...]) applied to every cache array (k and v per layer)."""
+  return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v),
                        mask_BxS=fn(cache.mask_BxS))
 
 
@@ -112,7 +114,7 @@ def _widen(cache: transformer.KVCache, length: int) -> transformer.KVCache:
       lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), cache)
 
 
-def _generate(graphdef, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
+def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
               seed, *, plan: _Plan):
   """Appends each row's chunk to the cache, then samples until all are done.
 
@@ -122,15 +124,16 @@ def _generate(graphdef, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   """
   global _traces
   _traces += 1
-  model = nnx.merge(graphdef, params)
+  model = nnx.merge(graph.graphdef, params)
   b = chunk_BxC.shape[0]
   g, n = plan.num_samples, plan.max_new_tokens
-  if cache is None:
+  fresh = cache is None
+  if fresh:
     cache = transformer.init_cache(model.config, b, plan.cache_length)
   positions_BxC = start_B[:, None] + transformer.default_positions(mask_BxC)
   if chunk_BxC.shape[1] > 1:
     _, cache = model.decode(chunk_BxC[:, :-1], positions_BxC[:, :-1],
-                            mask_BxC[:, :-1], cache)
+                            mask_BxC[:, :-1], cache, fresh=fresh)
   # The G samples of a prompt share its prefill.
   repeat = lambda x: jnp.repeat(x, g, axis=0)
   if g > 1:
@@ -177,8 +180,70 @@ def _generate(graphdef, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   return state.tokens_BxN, state.logprobs_BxN, state.num_B, state.cache
 
 
-_generate_jit = jax.jit(_generate, static_argnames=('graphdef', 'plan'),
+_generate_jit = jax.jit(_generate, static_argnames=('graph', 'plan'),
                         donate_argnames=('cache',))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Graph:
+  """A graphdef as a static jit argument hashed by identity (O(1) per call);
+  equal graphdefs share one, so they share compiled programs."""
+
+  graphdef: object
+
+
+_GRAPHS: dict = {}  # graphdef -> its _Graph
+# model -> (_Graph, its Variables, tree of the params pure dict). The graph
+# traversal (nnx.split) runs once per model object; its Variables may be
+# updated in place later, their values are read on every call.
+_MODELS = weakref.WeakKeyDictionary()
+
+
+def _graph(graphdef) -> _Graph:
+  return _GRAPHS.setdefault(graphdef, _Graph(graphdef))
+
+
+def _split(model: transformer.Transformer):
+  """(graph, params pure dict) without walking the model on every call."""
+  entry = _MODELS.get(model)
+  if entry is None:
+    graphdef, state = nnx.split(model)
+    variables, treedef = jax.tree.flatten(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    pure_treedef = jax.tree.structure(nnx.to_pure_dict(state))
+    entry = _MODELS[model] = (_graph(graphdef), variables, pure_treedef)
+    del treedef
+  graph, variables, pure_treedef = entry
+  return graph, jax.tree.unflatten(pure_treedef,
+                                   [v.get_value() for v in variables])
+
+
+def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
+          *, params_sampling: sampling.Params = sampling.Params(),
+          num_samples: int = 1, stop_token_ids: Sequence[int] = (),
+          transpose_head: bool = False, mesh=None,
+          rules: tuple = sharding.DEFAULT_RULES):
+  """The generation program of a fresh batch, lowered but not run.
+
+  For memory plans and cost analyses: `params` may be ShapeDtypeStructs
+  (with shardings, on a mesh); nothing is allocated.
+  """
+  plan = _Plan(params_sampling, max_new_tokens, num_samples,
+               tuple(stop_token_ids), prompt_len + max_new_tokens,
+               transpose_head, tuple(rules))
+
+  def arg(shape, dtype, axes):
+    where = None if mesh is None else sharding.named(mesh, axes, shape, rules)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+  rows = (batch, prompt_len)
+  with sharding.use(mesh, rules):
+    return _generate_jit.lower(
+        _graph(graphdef), params, None,
+        arg(rows, jnp.int32, ('batch', 'length')),
+        arg(rows, bool, ('batch', 'length')),
+        arg((batch,), jnp.int32, ('batch',)), arg((batch,), bool, ('batch',)),
+        np.uint32(0), plan=plan)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -392,10 +457,10 @@ def generate(model: transformer.Transformer,
                max_new_tokens, g,
                tuple(int(t) for t in stop_token_ids), rows.length,
                bool(transpose_head), tuple(rules))
-  graphdef, state = nnx.split(model)
+  graph, params = _split(model)
   with sharding.use(mesh, rules):
     tokens, logprobs, num, cache = _generate_jit(
-        graphdef, nnx.to_pure_dict(state), rows.cache,
+        graph, params, rows.cache,
         _put(chunk, mesh, rules, ('batch', 'length')),
         _put(mask, mesh, rules, ('batch', 'length')),
         _put(start, mesh, rules, ('batch',)),

@@ -29,6 +29,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ('head_dim', None),
     ('mlp', 'tensor'),
     ('norm', None),
+    ('layers', None),  # the stacked layer axis (of parameters and KV cache)
     # activations and batches
     ('batch', ('data', 'fsdp')),
     ('length', None),

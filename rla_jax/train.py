@@ -271,12 +271,24 @@ def model_config(graphdef) -> transformer.ModelConfig:
   raise TypeError('graphdef is not a rla_jax.models.transformer.Transformer')
 
 
+def remat_policy(value) -> str:
+  """`train.remat` as a transformer.REMAT_POLICIES name.
+
+  True and False, the key's old boolean spelling, mean 'full' and 'none'.
+  """
+  if isinstance(value, bool):
+    return 'full' if value else 'none'
+  transformer.check_remat(value, 'train.remat')
+  return value
+
+
 class Trainer:
   """The jitted train functions of one model on one mesh; holds no arrays.
 
-  Compute dtype and parameter dtype come from the model's config (bf16
-  compute with float32 master weights: dtype='bfloat16',
-  param_dtype='float32'); `train.remat` rematerialises each block.
+  Compute dtype, parameter dtype, attention implementation and layer layout
+  come from the model's config (bf16 compute with float32 master weights:
+  dtype='bfloat16', param_dtype='float32'); `train.remat` says what the
+  backward pass recomputes of each layer.
   """
 
   # Non-finite (skipped) steps in a row, across update() calls: host state of
@@ -291,7 +303,7 @@ class Trainer:
     self.optim_config, self.train_config = optim_config, train_config
     self._check_config(train_config)
     config = dataclasses.replace(model_config(graphdef),
-                                 remat=train_config.remat)
+                                 remat=remat_policy(train_config.remat))
     self.graphdef, abstract = nnx.split(transformer.abstract_model(config))
     self.tx = make_optimizer(optim_config)
     self.loss_cfg = loss_config(train_config)

@@ -224,6 +224,26 @@ def test_sharded_load_equals_single_device(hf_model_factory, tmp_path):
                              atol=1e-5, rtol=1e-5)
 
 
+def test_scanned_sharded_load_equals_unrolled(hf_model_factory, tmp_path):
+  """Stacked layers: each device's [L, ...] slice, dequantised per layer."""
+  _, ref = hf_model_factory('llama')
+  path = write_gguf(tmp_path / 'm.gguf', ref, Q.Q8_0)
+  single, _ = gguf_io.load(path)
+  mesh = sharding.make_mesh(1, 4, 2)
+  scanned, _ = gguf_io.load(path, mesh=mesh, scan_layers=True)
+  wq = scanned.layers.attn.wq[...]  # [L, D, H, Dh]
+  assert wq.shape[0] == single.config.num_layers
+  assert wq.addressable_shards[0].data.shape == (wq.shape[0], wq.shape[1] // 4,
+                                                 wq.shape[2] // 2, wq.shape[3])
+  np.testing.assert_array_equal(np.asarray(wq[1]),
+                                np.asarray(single.layers[1].attn.wq[...]))
+  tokens = _tokens((8, 16))
+  with sharding.use(mesh):
+    logits = jax.jit(lambda m, t: m(t))(scanned, jnp.asarray(tokens))
+  np.testing.assert_allclose(np.asarray(logits), _ours(single, tokens),
+                             atol=1e-5, rtol=1e-5)
+
+
 def test_bfloat16_params(hf_model_factory, tmp_path):
   _, ref = hf_model_factory('llama')
   model, _ = gguf_io.load(write_gguf(tmp_path / 'm.gguf', ref),

@@ -51,18 +51,28 @@ class CharTokenizer:
     return ''.join(chr(97 + t % 26) + chr(97 + t // 26 % 26) for t in ids)
 
 
-@pytest.fixture(scope='module')
-def qwen2(tmp_path_factory):
+# Both layer layouts; the scanned one with 8-slot attention blocks, so the
+# prefill runs blockwise and decode reads several cache blocks.
+LAYOUTS = {'unrolled': {}, 'scanned': dict(scan_layers=True,
+                                           attention_block=8)}
+
+
+@pytest.fixture(scope='module', params=sorted(LAYOUTS))
+def qwen2(tmp_path_factory, request):
   from conftest import make_hf_model  # pylint: disable=g-import-not-at-top
   path = tmp_path_factory.mktemp('qwen2')
   ref = make_hf_model(path, 'qwen2', tie_word_embeddings=True)
-  return hf.load(str(path))[0], ref, str(path)
+  options = LAYOUTS[request.param]
+  return hf.load(str(path), **options)[0], ref, str(path), options
 
 
-@pytest.mark.parametrize('family', ['llama', 'qwen2', 'qwen3'])
-def test_greedy_equals_transformers(hf_model_factory, family):
+@pytest.mark.parametrize('family,layout', [('llama', 'unrolled'),
+                                           ('qwen2', 'unrolled'),
+                                           ('qwen3', 'unrolled'),
+                                           ('qwen3', 'scanned')])
+def test_greedy_equals_transformers(hf_model_factory, family, layout):
   path, ref = hf_model_factory(family, tie_word_embeddings=family != 'llama')
-  model, _ = hf.load(path)
+  model, _ = hf.load(path, **LAYOUTS[layout])
   prompts = _prompts([5, 17, 11])
   before = sampler.num_traces()
   out = sampler.generate(model, prompts, N, temperature=0.0)
@@ -82,7 +92,7 @@ def test_greedy_equals_transformers(hf_model_factory, family):
 
 
 def test_sampled_logprobs_equal_teacher_forcing(qwen2):
-  model, _, _ = qwen2
+  model = qwen2[0]
   prompts = _prompts([3, 20, 9])
   out = sampler.generate(model, prompts, N, temperature=0.7, seed=1,
                          num_samples=2)
@@ -106,7 +116,7 @@ def test_sampled_logprobs_equal_teacher_forcing(qwen2):
 
 
 def test_cached_decode_equals_full_forward(qwen2):
-  model, _, _ = qwen2
+  model = qwen2[0]
   tokens = np.asarray(_prompts([12, 12], seed=3), np.int32)
   mask = np.ones((2, 12), bool)
   mask[1, :5] = False  # left padding
@@ -128,7 +138,7 @@ def test_cached_decode_equals_full_forward(qwen2):
 
 
 def test_top_k_one_is_greedy_and_filters_match_sorting(qwen2):
-  model, _, _ = qwen2
+  model = qwen2[0]
   prompts = _prompts([4, 9, 6])
   greedy = sampler.generate(model, prompts, N, temperature=0.0)
   top1 = sampler.generate(model, prompts, N, temperature=1.3, top_k=1,
@@ -158,7 +168,7 @@ def test_top_k_one_is_greedy_and_filters_match_sorting(qwen2):
 
 
 def test_stop_tokens_and_stop_strings(qwen2):
-  model, _, _ = qwen2
+  model = qwen2[0]
   prompts = _prompts([6, 13, 8])
   free = sampler.generate(model, prompts, N, temperature=0.0)
   stop = free.tokens[1][5]
@@ -192,7 +202,7 @@ def test_stop_tokens_and_stop_strings(qwen2):
 
 def test_sessions_continue_like_a_fresh_prefill(qwen2):
   """Turn 2 from the held cache equals turn 2 prefilled from scratch."""
-  model, _, _ = qwen2
+  model = qwen2[0]
   tok = CharTokenizer()
   prompts = _prompts([7, 19, 4])
   first = sampler.generate(model, prompts, N, temperature=0.0,
@@ -231,9 +241,9 @@ def test_sessions_continue_like_a_fresh_prefill(qwen2):
 
 
 def test_sharded_generation_equals_one_device(qwen2):
-  model, _, path = qwen2
+  model, _, path, options = qwen2
   mesh = sharding.make_mesh(2, 2, 2)
-  sharded, _ = hf.load(path, mesh=mesh)
+  sharded, _ = hf.load(path, mesh=mesh, **options)
   prompts = _prompts([5, 20, 9, 14])
   kwargs = dict(temperature=0.7, seed=3, num_samples=2)
   out = sampler.generate(sharded, prompts, N, mesh=mesh, keep_session=True,
@@ -242,8 +252,9 @@ def test_sharded_generation_equals_one_device(qwen2):
   assert out.tokens == ref.tokens
   np.testing.assert_allclose(np.concatenate(out.logprobs),
                              np.concatenate(ref.logprobs), atol=1e-5)
-  k = out.session.cache.k[0]  # batch over data x fsdp, kv heads over tensor
-  assert k.addressable_shards[0].data.shape == (2, k.shape[1], 1, 64 // 4)
+  # [L, B, S, K, Dh]: batch over data x fsdp, kv heads over tensor.
+  k = out.session.cache.k
+  assert k.addressable_shards[0].data.shape == (2, 2, k.shape[2], 1, 64 // 4)
 
 
 def test_bucket_rounding():

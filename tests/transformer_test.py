@@ -1,5 +1,6 @@
 """Logit parity with transformers, padding, sharding and HF folder I/O."""
 
+import dataclasses
 import json
 import os
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from rla_jax import sharding
 from rla_jax.models import hf
@@ -169,6 +171,112 @@ def test_random_init_in_sharding_matches_layout():
   tokens = jnp.asarray(_tokens((2, 8), vocab=128))
   np.testing.assert_allclose(np.asarray(model(tokens)),
                              np.asarray(plain(tokens)), atol=1e-5)
+
+
+# ---- scanned layers ----------------------------------------------------------
+
+
+def _loss_grads(model, tokens, mask, weights):
+  graphdef, state = nnx.split(model)
+  loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(
+      tokens, mask_BxT=mask) * weights)
+  return jax.jit(jax.grad(loss))(nnx.to_pure_dict(state))
+
+
+@pytest.mark.parametrize('family', ['llama', 'qwen2', 'qwen3'])
+def test_scanned_layers_equal_unrolled_and_transformers(hf_model_factory,
+                                                        family):
+  path, ref = hf_model_factory(family, tie_word_embeddings=family != 'qwen2')
+  plain, _ = hf.load(path)
+  scanned, _ = hf.load(path, scan_layers=True, attention_block=8)
+  assert scanned.layers.mlp.w_gate[...].shape == (2, 64, 128)
+  tokens = _tokens((2, 24), seed=5)
+  mask = np.ones((2, 24), np.int32)
+  mask[1, :7] = 0
+  ours = np.asarray(scanned(jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+  np.testing.assert_allclose(
+      ours, np.asarray(plain(jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))),
+      atol=1e-5)
+  theirs = _torch_logits(ref, tokens, mask)
+  assert np.abs(ours - theirs)[mask.astype(bool)].max() <= TOL
+  # Gradients: the stacked ones are the per-layer ones stacked, under every
+  # remat policy.
+  weights = jnp.asarray(np.random.default_rng(0).normal(size=ours.shape)
+                        * mask[..., None], jnp.float32)
+  want = _loss_grads(plain, tokens, mask, weights)
+  for policy in transformer.REMAT_POLICIES:
+    model = nnx.merge(
+        nnx.split(transformer.abstract_model(dataclasses.replace(
+            scanned.config, remat=policy)))[0], nnx.state(scanned))
+    got = _loss_grads(model, tokens, mask, weights)
+    # Magnitudes reach ~15: blockwise f32 sums differ by a few 1e-6 of it.
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                    atol=1e-4)
+    close(got['embed'], want['embed'])
+    stacked = jax.tree.map(lambda *xs: np.stack(xs),
+                           *[want['layers'][i] for i in range(2)])
+    jax.tree.map(close, got['layers'], stacked)
+
+
+def test_scanned_export_and_sharded_load(hf_model_factory, tmp_path):
+  path, _ = hf_model_factory('qwen3')
+  scanned, _ = hf.load(path, scan_layers=True)
+  out = str(tmp_path / 'saved')
+  hf.save(scanned, out, max_shard_bytes=100_000)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  tokens = _tokens((2, 12), seed=3)
+  ours = np.asarray(scanned(jnp.asarray(tokens)))
+  assert np.abs(ours - _torch_logits(reloaded, tokens)).max() <= TOL
+  mesh = sharding.make_mesh(1, 4, 2)
+  sharded, _ = hf.load(out, mesh=mesh, scan_layers=True)
+  w_gate = sharded.layers.mlp.w_gate[...]  # [L, D, F]: D over fsdp, F tensor
+  assert w_gate.addressable_shards[0].data.shape == (2, 64 // 4, 128 // 2)
+  with sharding.use(mesh):
+    logits = jax.jit(lambda m, t: m(t))(sharded, jnp.asarray(tokens))
+  np.testing.assert_allclose(np.asarray(logits), ours, atol=1e-5)
+
+
+def _abstract_grad(config, tokens_shape):
+  graphdef, state = nnx.split(transformer.abstract_model(config))
+  tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
+  loss = lambda p, t: jnp.sum(nnx.merge(graphdef, p).hidden(t) ** 2)
+  return jax.jit(jax.grad(loss)).lower(nnx.to_pure_dict(state), tokens)
+
+
+def test_remat_cuts_compiled_temp_memory_on_cpu():
+  config = transformer.ModelConfig('qwen2', 256, 128, 512, 4, 4, 2, 32,
+                                   qkv_bias=True, tie_word_embeddings=True,
+                                   scan_layers=True)
+  temp = {}
+  for policy in ('none', 'dots_saveable', 'full'):
+    lowered = _abstract_grad(dataclasses.replace(config, remat=policy),
+                             (4, 512))
+    temp[policy] = lowered.compile().memory_analysis().temp_size_in_bytes
+  print({k: f'{v / 2**20:.1f} MiB' for k, v in temp.items()})
+  assert temp['full'] < 0.5 * temp['none']
+  assert temp['full'] < temp['dots_saveable'] < temp['none']
+
+
+def test_scanned_program_does_not_grow_with_depth():
+  sizes = {}
+  for scan in (False, True):
+    for layers in (2, 8):
+      config = transformer.ModelConfig('llama', 128, 64, 128, layers, 4, 2,
+                                       16, scan_layers=scan)
+      sizes[scan, layers] = len(_abstract_grad(config, (1, 16)).as_text())
+  print(sizes)
+  assert sizes[True, 8] < 1.05 * sizes[True, 2]
+  assert sizes[False, 8] > 2.5 * sizes[False, 2]
+
+
+def test_bad_model_options_are_named():
+  config = transformer.ModelConfig('llama', 128, 64, 128, 2, 4, 2, 16)
+  with pytest.raises(ValueError, match=r"attention='flash'; expected"):
+    dataclasses.replace(config, attention='flash')
+  with pytest.raises(ValueError, match=r"remat='some'; expected"):
+    dataclasses.replace(config, remat='some')
+  with pytest.raises(TypeError, match=r"unknown model options \['scan'\]"):
+    transformer.with_run_options(config, scan=True)
 
 
 # ---- bad input -------------------------------------------------------------

@@ -25,6 +25,7 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models,
 
 from rla_jax import sharding
 from rla_jax.models import hf
+from rla_jax.models import transformer
 from rla_jax.models.transformer import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ('llama',)
@@ -333,7 +334,8 @@ def _byte_level_bpe(meta, tokens, pre_tokenizer, ignore_merges: bool):
 
 
 def load(path: str, dtype: str = 'float32', mesh=None, *,
-         param_dtype: str | None = None, rules=sharding.DEFAULT_RULES):
+         param_dtype: str | None = None, rules=sharding.DEFAULT_RULES,
+         **run_options):
   """(model, tokenizer) from a GGUF file; tokenizer is None if it has none.
 
   Args:
@@ -343,12 +345,15 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
       None), via the logical-axis `rules`.
     param_dtype: dtype the dequantised weights are stored in.
     rules: logical-axis rules (`sharding.DEFAULT_RULES`).
+    **run_options: how the model runs (transformer.RUN_OPTIONS:
+      attention, attention_block, scan_layers, remat).
   """
   reader = _open(path)
   meta = _metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
   config = config_from_gguf(meta, tensors, dtype=dtype,
                             param_dtype=param_dtype, where=path)
+  config = transformer.with_run_options(config, **run_options)
   model = hf.from_tensors(config, _hf_tensors(config, tensors, path), path,
                           mesh, rules)
   return model, tokenizer_from_gguf(meta, path)

@@ -157,9 +157,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   return out
 
 
-# One entry per parameter: (path in our state, HF tensor name, view of the HF
-# array in our layout, our array back in the HF layout). Views never copy.
-_Entry = tuple[tuple, str, Callable, Callable]
+# One entry per parameter: (path in our state, HF tensor names, view of an
+# HF array in our layout, our array back in the HF layout). A stacked layer
+# parameter ([L, ...], `scan_layers`) has one HF name per layer; any other has
+# one name. Views never copy.
+_Entry = tuple[tuple, tuple[str, ...], Callable, Callable]
 
 
 def _param_table(c: ModelConfig) -> list[_Entry]:
@@ -176,40 +178,42 @@ def _param_table(c: ModelConfig) -> list[_Entry]:
 
   out_in = (lambda a: a.reshape(d, h, dh).transpose(1, 2, 0),  # [D, H*Dh]
             lambda a: a.transpose(2, 0, 1).reshape(d, h * dh))
-  table: list[_Entry] = [(('embed',), 'model.embed_tokens.weight', ident,
+  table: list[_Entry] = [(('embed',), ('model.embed_tokens.weight',), ident,
                           ident),
-                         (('final_norm', 'scale'), 'model.norm.weight', ident,
-                          ident)]
+                         (('final_norm', 'scale'), ('model.norm.weight',),
+                          ident, ident)]
   if not c.tie_word_embeddings:
-    table.append((('lm_head',), 'lm_head.weight', ident, ident))
-  for i in range(c.num_layers):
-    pre = f'model.layers.{i}.'
-    layer = ('layers', i)
-    rows = [
-        (('attn', 'wq'), 'self_attn.q_proj.weight', *heads_in(h)),
-        (('attn', 'wk'), 'self_attn.k_proj.weight', *heads_in(k)),
-        (('attn', 'wv'), 'self_attn.v_proj.weight', *heads_in(k)),
-        (('attn', 'wo'), 'self_attn.o_proj.weight', *out_in),
-        (('mlp', 'w_gate'), 'mlp.gate_proj.weight', t, t),
-        (('mlp', 'w_up'), 'mlp.up_proj.weight', t, t),
-        (('mlp', 'w_down'), 'mlp.down_proj.weight', t, t),
-        (('attn_norm', 'scale'), 'input_layernorm.weight', ident, ident),
-        (('mlp_norm', 'scale'), 'post_attention_layernorm.weight', ident,
-         ident),
-    ]
-    if c.qkv_bias:
-      rows += [(('attn', 'bq'), 'self_attn.q_proj.bias', *bias_in(h)),
-               (('attn', 'bk'), 'self_attn.k_proj.bias', *bias_in(k)),
-               (('attn', 'bv'), 'self_attn.v_proj.bias', *bias_in(k))]
-    if c.o_bias:
-      rows.append((('attn', 'bo'), 'self_attn.o_proj.bias', ident, ident))
-    if c.qk_norm:
-      rows += [(('attn', 'q_norm', 'scale'), 'self_attn.q_norm.weight', ident,
-                ident),
-               (('attn', 'k_norm', 'scale'), 'self_attn.k_norm.weight', ident,
-                ident)]
-    table += [(layer + p, pre + name, a, b) for p, name, a, b in rows]
-  return table
+    table.append((('lm_head',), ('lm_head.weight',), ident, ident))
+  rows = [
+      (('attn', 'wq'), 'self_attn.q_proj.weight', *heads_in(h)),
+      (('attn', 'wk'), 'self_attn.k_proj.weight', *heads_in(k)),
+      (('attn', 'wv'), 'self_attn.v_proj.weight', *heads_in(k)),
+      (('attn', 'wo'), 'self_attn.o_proj.weight', *out_in),
+      (('mlp', 'w_gate'), 'mlp.gate_proj.weight', t, t),
+      (('mlp', 'w_up'), 'mlp.up_proj.weight', t, t),
+      (('mlp', 'w_down'), 'mlp.down_proj.weight', t, t),
+      (('attn_norm', 'scale'), 'input_layernorm.weight', ident, ident),
+      (('mlp_norm', 'scale'), 'post_attention_layernorm.weight', ident,
+       ident),
+  ]
+  if c.qkv_bias:
+    rows += [(('attn', 'bq'), 'self_attn.q_proj.bias', *bias_in(h)),
+             (('attn', 'bk'), 'self_attn.k_proj.bias', *bias_in(k)),
+             (('attn', 'bv'), 'self_attn.v_proj.bias', *bias_in(k))]
+  if c.o_bias:
+    rows.append((('attn', 'bo'), 'self_attn.o_proj.bias', ident, ident))
+  if c.qk_norm:
+    rows += [(('attn', 'q_norm', 'scale'), 'self_attn.q_norm.weight', ident,
+              ident),
+             (('attn', 'k_norm', 'scale'), 'self_attn.k_norm.weight', ident,
+              ident)]
+  names = lambda name, layers: tuple(f'model.layers.{i}.{name}'
+                                     for i in layers)
+  if c.scan_layers:
+    return table + [(('layers',) + p, names(name, range(c.num_layers)), a, b)
+                    for p, name, a, b in rows]
+  return table + [(('layers', i) + p, names(name, (i,)), a, b)
+                  for i in range(c.num_layers) for p, name, a, b in rows]
 
 
 def _map_safetensors(file: str) -> dict[str, np.ndarray]:
@@ -286,8 +290,13 @@ def load_tokenizer(path: str):
 
 
 def load(path: str, dtype: str = 'float32', mesh=None, *,
-         param_dtype: str | None = None, rules=sharding.DEFAULT_RULES):
-  """(model, tokenizer) from a Hugging Face folder; tokenizer may be None."""
+         param_dtype: str | None = None, rules=sharding.DEFAULT_RULES,
+         **run_options):
+  """(model, tokenizer) from a Hugging Face folder; tokenizer may be None.
+
+  `run_options` are the ModelConfig fields that say how the model runs
+  (transformer.RUN_OPTIONS: attention, attention_block, scan_layers, remat).
+  """
   config_file = os.path.join(path, 'config.json')
   if not os.path.isdir(path):
     raise CheckpointError(f'{path}: model folder does not exist')
@@ -296,6 +305,7 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
   with open(config_file) as f:
     config = config_from_hf(json.load(f), dtype=dtype,
                             param_dtype=param_dtype, where=config_file)
+  config = transformer.with_run_options(config, **run_options)
   model = from_tensors(config, _map_checkpoint(path), path, mesh, rules)
   return model, load_tokenizer(path)
 
@@ -317,21 +327,31 @@ def from_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
     shardings = sharding.param_shardings(abstract_state, mesh, rules)
   params: dict = {}
   used = set()
-  for our_path, name, to_ours, _ in _param_table(config):
-    if name not in tensors:
-      raise CheckpointError(f'{where}: tensor {name!r} is missing')
+  for our_path, names, to_ours, _ in _param_table(config):
     target = _get_path(abstract, our_path)
-    array = tensors[name]
-    view = to_ours(array)
-    if tuple(view.shape) != tuple(target.shape):
-      raise CheckpointError(
-          f'{where}: tensor {name!r} has shape {tuple(array.shape)}, '
-          f'which does not fit config.json (expected {tuple(target.shape)} '
-          'in our layout)')
-    used.add(name)
+    stacked = config.scan_layers and our_path[0] == 'layers'
+    shape = tuple(target.shape[1:] if stacked else target.shape)
+    views = []
+    for name in names:
+      if name not in tensors:
+        raise CheckpointError(f'{where}: tensor {name!r} is missing')
+      array = tensors[name]
+      views.append(to_ours(array))
+      if tuple(views[-1].shape) != shape:
+        raise CheckpointError(
+            f'{where}: tensor {name!r} has shape {tuple(array.shape)}, '
+            f'which does not fit config.json (expected {shape} in our '
+            'layout)')
+      used.add(name)
+    if stacked:  # a device's slice of [L, ...]: its layers, each sliced
+      read = lambda idx, views=views, dt=target.dtype: np.stack(
+          [np.asarray(views[i][idx[1:]], dt)
+           for i in range(len(views))[idx[0]]])
+    else:
+      read = lambda idx, view=views[0], dt=target.dtype: np.asarray(
+          view[idx], dt)
     _set_path(params, our_path, jax.make_array_from_callback(
-        target.shape, _get_path(shardings, our_path),
-        lambda idx, view=view, dt=target.dtype: np.asarray(view[idx], dt)))
+        target.shape, _get_path(shardings, our_path), read))
   extra = sorted(set(tensors) - used - {'lm_head.weight'})
   if extra:
     logging.warning('%s: ignoring %d unknown tensors, e.g. %s', where,
@@ -346,9 +366,14 @@ def save(model: transformer.Transformer, path: str, tokenizer=None, *,
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   config = model.config
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  tensors = {name: np.ascontiguousarray(
-                 to_hf(sharding.to_host(_get_path(state, p))))
-             for p, name, _, to_hf in _param_table(config)}
+  tensors = {}
+  for our_path, names, _, to_hf in _param_table(config):
+    array = sharding.to_host(_get_path(state, our_path))
+    if config.scan_layers and our_path[0] == 'layers':
+      tensors.update((name, np.ascontiguousarray(to_hf(array[i])))
+                     for i, name in enumerate(names))
+    else:
+      tensors[names[0]] = np.ascontiguousarray(to_hf(array))
   if jax.process_index() != 0:
     return
   os.makedirs(path, exist_ok=True)

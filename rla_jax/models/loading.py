@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rla_jax import sharding
+from rla_jax.models import attention
 from rla_jax.models import hf
 from rla_jax.models import transformer
 
@@ -15,19 +16,20 @@ def from_config(model_config, *, name: str, mesh, rules, make_tokenizer=None):
   tokenizer (`make_tokenizer`), as the tiny config uses.
   """
   path = model_config.path
+  options = run_options(model_config, name)
   try:
     if path.endswith('.gguf'):
       from rla_jax.models import gguf  # pylint: disable=g-import-not-at-top
       model, tokenizer = gguf.load(path, model_config.dtype, mesh,
                                    param_dtype=model_config.param_dtype,
-                                   rules=rules)
+                                   rules=rules, **options)
     elif path:
       model, tokenizer = hf.load(path, model_config.dtype, mesh,
                                  param_dtype=model_config.param_dtype,
-                                 rules=rules)
+                                 rules=rules, **options)
     else:
       model, tokenizer = _random(model_config, mesh, rules, make_tokenizer,
-                                 name)
+                                 name, options)
   except (hf.CheckpointError, FileNotFoundError) as e:
     raise ValueError(f'config.{name}.path={path!r}: {e}') from e
   if tokenizer is None:
@@ -36,7 +38,21 @@ def from_config(model_config, *, name: str, mesh, rules, make_tokenizer=None):
   return model, tokenizer
 
 
-def _random(model_config, mesh, rules, make_tokenizer, name):
+def run_options(model_config, name: str) -> dict:
+  """How the model runs (transformer.RUN_OPTIONS but remat, a train key)."""
+  attention.check_impl(model_config.attention, f'config.{name}.attention')
+  if model_config.attention_block < 1:
+    raise ValueError(f'config.{name}.attention_block='
+                     f'{model_config.attention_block}; must be >= 1')
+  if not isinstance(model_config.scan_layers, bool):
+    raise ValueError(f'config.{name}.scan_layers='
+                     f'{model_config.scan_layers!r}; must be True or False')
+  return dict(attention=model_config.attention,
+              attention_block=model_config.attention_block,
+              scan_layers=model_config.scan_layers)
+
+
+def _random(model_config, mesh, rules, make_tokenizer, name, options):
   if model_config.random is None:
     raise ValueError(f'config.{name}: set either .path (a model folder or '
                      '.gguf file) or .random (shape of a random model)')
@@ -55,7 +71,7 @@ def _random(model_config, mesh, rules, make_tokenizer, name):
       tie_word_embeddings=shape.tie_word_embeddings,
       dtype=model_config.dtype, param_dtype=model_config.param_dtype,
       eos_token_ids=(tokenizer.eos_token_id,),
-      pad_token_id=tokenizer.pad_token_id)
+      pad_token_id=tokenizer.pad_token_id, **options)
   model = transformer.create(config, seed=model_config.seed, mesh=mesh,
                              rules=rules if rules is not None else
                              sharding.DEFAULT_RULES)

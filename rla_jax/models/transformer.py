@@ -6,7 +6,10 @@ Dimension letters used in names and einsums:
   V vocabulary, L layers.
 
 Every parameter carries `logical_axes` metadata; `rla_jax.sharding` maps these
-names onto the device mesh.
+names onto the device mesh. With `scan_layers`, the L decoder layers are one
+Block whose parameters have a leading 'layers' axis, run by `jax.lax.scan`
+(program size and compile time do not grow with depth); otherwise they are a
+list of Blocks. The KV cache is stacked [L, ...] either way.
 """
 
 from __future__ import annotations
@@ -21,8 +24,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rla_jax import sharding
+from rla_jax.models import attention
 
-_NEG_INF = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
+# What the backward pass keeps of each layer's forward (`train.remat`):
+# 'none' everything, 'full' only the layer's input (the rest is recomputed),
+# or one of jax.checkpoint_policies (matmul outputs are kept).
+REMAT_POLICIES = ('none', 'full', 'dots_saveable',
+                  'dots_with_no_batch_dims_saveable')
+
+
+def check_remat(policy, key: str = 'train.remat'):
+  """Raises a ValueError naming the config `key` for an unknown policy."""
+  if policy not in REMAT_POLICIES:
+    raise ValueError(f'{key}={policy!r}; expected one of {REMAT_POLICIES}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,49 +61,73 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   dtype: str = 'float32'  # compute dtype
   param_dtype: str = 'float32'
-  remat: bool = False  # rematerialise each block in the backward pass
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
+  # How it runs, not what it computes (configs/base.py picks the run's
+  # values; these defaults are the plain model).
+  attention: str = 'auto'  # one of attention.IMPLEMENTATIONS
+  attention_block: int = 512  # query/key block of the blockwise attention
+  scan_layers: bool = False  # stacked layers under lax.scan
+  remat: str = 'none'  # one of REMAT_POLICIES
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of '
           f'num_kv_heads={self.num_kv_heads}')
+    attention.check_impl(self.attention, 'attention')
+    check_remat(self.remat, 'remat')
+    if self.attention_block < 1:
+      raise ValueError(f'attention_block={self.attention_block} must be >= 1')
+
+
+RUN_OPTIONS = ('attention', 'attention_block', 'scan_layers', 'remat')
+
+
+def with_run_options(config: ModelConfig, **options) -> ModelConfig:
+  """`config` with some of RUN_OPTIONS replaced (loaders take these)."""
+  unknown = sorted(set(options) - set(RUN_OPTIONS))
+  if unknown:
+    raise TypeError(f'unknown model options {unknown}; expected some of '
+                    f'{RUN_OPTIONS}')
+  return dataclasses.replace(config, **options)
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys/values and which slots hold real tokens.
+  """Keys/values of every layer and which slots hold real tokens.
 
   Slots are filled left to right; `index` is the next free slot, shared by the
   whole batch (prompts are left-padded, so every row writes in lockstep).
   """
 
-  k: tuple[jax.Array, ...]  # L x [B, S, K, Dh]
-  v: tuple[jax.Array, ...]  # L x [B, S, K, Dh]
+  k: jax.Array  # [L, B, S, K, Dh]
+  v: jax.Array  # [L, B, S, K, Dh]
   mask_BxS: jax.Array  # bool: slot holds a real (non-pad) token
   index: jax.Array  # int32 scalar
 
 
-CACHE_AXES = ('cache_batch', 'cache_length', 'cache_kv_heads', 'head_dim')
+CACHE_AXES = ('layers', 'cache_batch', 'cache_length', 'cache_kv_heads',
+              'head_dim')
 
 
 def init_cache(config: ModelConfig, batch: int, length: int,
                dtype: str | None = None) -> KVCache:
   """An empty cache of `length` slots for `batch` rows."""
   dtype = dtype or config.dtype
-  shape = (batch, length, config.num_kv_heads, config.head_dim)
+  shape = (config.num_layers, batch, length, config.num_kv_heads,
+           config.head_dim)
   zeros = lambda: sharding.constrain(jnp.zeros(shape, dtype), CACHE_AXES)
-  return KVCache(
-      k=tuple(zeros() for _ in range(config.num_layers)),
-      v=tuple(zeros() for _ in range(config.num_layers)),
-      mask_BxS=jnp.zeros((batch, length), bool),
-      index=jnp.zeros((), jnp.int32))
+  return KVCache(k=zeros(), v=zeros(), mask_BxS=jnp.zeros((batch, length), bool),
+                 index=jnp.zeros((), jnp.int32))
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init='normal'):
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init='normal',
+           stack: int | None = None):
+  """A Param; with `stack`, one per layer along a leading 'layers' axis."""
+  if stack:
+    shape, axes = (stack,) + tuple(shape), ('layers',) + tuple(axes)
   if init == 'normal':
     value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
   elif init == 'ones':
@@ -101,8 +139,10 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init='normal'):
 
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, eps: float, dtype: str, axis_name: str):
-    self.scale = _param(None, (dim,), (axis_name,), dtype, init='ones')
+  def __init__(self, dim: int, eps: float, dtype: str, axis_name: str,
+               stack: int | None = None):
+    self.scale = _param(None, (dim,), (axis_name,), dtype, init='ones',
+                        stack=stack)
     self.eps = eps
 
   def __call__(self, x):
@@ -144,47 +184,31 @@ def apply_rope(x_BxTxNxDh, positions_BxT, inv_freq):
   return out.astype(x_BxTxNxDh.dtype)
 
 
-def _attend_one_query(q_BxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, attend_BxS):
-  """Attention of one query per row over a [B, S, K, Dh] cache.
-
-  Multiply-and-reduce reads the cache in its own layout; a dot_general with
-  (B, K) batch dimensions would first transpose all of it, every step.
-  """
-  f32 = jnp.float32
-  q = q_BxKxGxDh.astype(f32)[:, None]
-  scores_BxSxKxG = jnp.sum(q * k_BxSxKxDh.astype(f32)[:, :, :, None], axis=-1)
-  scores_BxSxKxG = scores_BxSxKxG / math.sqrt(q_BxKxGxDh.shape[-1])
-  scores_BxSxKxG = jnp.where(attend_BxS[:, :, None, None], scores_BxSxKxG,
-                             _NEG_INF)
-  probs_BxSxKxG = jax.nn.softmax(scores_BxSxKxG, axis=1)
-  out_BxKxGxDh = jnp.sum(
-      probs_BxSxKxG[..., None] * v_BxSxKxDh.astype(f32)[:, :, :, None], axis=1)
-  return out_BxKxGxDh.astype(q_BxKxGxDh.dtype)
-
-
 class Attention(nnx.Module):
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
+               stack: int | None = None):
     c, pd = config, config.param_dtype
     d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    p = lambda shape, axes, init='normal', r=rngs: _param(
+        r, shape, axes, pd, init, stack)
     self.config = config
-    self.wq = _param(rngs, (d, h, dh), ('embed', 'q_heads', 'head_dim'), pd)
-    self.wk = _param(rngs, (d, k, dh), ('embed', 'kv_heads', 'head_dim'), pd)
-    self.wv = _param(rngs, (d, k, dh), ('embed', 'kv_heads', 'head_dim'), pd)
-    self.wo = _param(rngs, (h, dh, d), ('q_heads', 'head_dim', 'embed'), pd)
+    self.wq = p((d, h, dh), ('embed', 'q_heads', 'head_dim'))
+    self.wk = p((d, k, dh), ('embed', 'kv_heads', 'head_dim'))
+    self.wv = p((d, k, dh), ('embed', 'kv_heads', 'head_dim'))
+    self.wo = p((h, dh, d), ('q_heads', 'head_dim', 'embed'))
     if c.qkv_bias:
-      self.bq = _param(None, (h, dh), ('q_heads', 'head_dim'), pd, 'zeros')
-      self.bk = _param(None, (k, dh), ('kv_heads', 'head_dim'), pd, 'zeros')
-      self.bv = _param(None, (k, dh), ('kv_heads', 'head_dim'), pd, 'zeros')
+      self.bq = p((h, dh), ('q_heads', 'head_dim'), 'zeros', None)
+      self.bk = p((k, dh), ('kv_heads', 'head_dim'), 'zeros', None)
+      self.bv = p((k, dh), ('kv_heads', 'head_dim'), 'zeros', None)
     if c.o_bias:
-      self.bo = _param(None, (d,), ('norm',), pd, 'zeros')
+      self.bo = p((d,), ('norm',), 'zeros', None)
     if c.qk_norm:
-      self.q_norm = RMSNorm(dh, c.rms_norm_eps, pd, 'head_dim')
-      self.k_norm = RMSNorm(dh, c.rms_norm_eps, pd, 'head_dim')
+      self.q_norm = RMSNorm(dh, c.rms_norm_eps, pd, 'head_dim', stack)
+      self.k_norm = RMSNorm(dh, c.rms_norm_eps, pd, 'head_dim', stack)
 
-  def __call__(self, x_BxTxD, positions_BxT, inv_freq, attend_BxTxS,
-               kv_cache=None, index=None):
-    """Returns the attention output and, with a cache, the updated (k, v)."""
+  def __call__(self, x_BxTxD, positions_BxT, inv_freq, attend):
+    """attend(q, k, v) -> (out [B, T, H, Dh], aux); returns (output, aux)."""
     c = self.config
     dt = x_BxTxD.dtype
     q = jnp.einsum('BTD,DHd->BTHd', x_BxTxD, self.wq[...].astype(dt))
@@ -198,33 +222,11 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
-    new_kv = None
-    if kv_cache is not None:
-      cache_k, cache_v = kv_cache
-      start = (0, index, 0, 0)
-      cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype),
-                                             start)
-      cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype),
-                                             start)
-      new_kv = (cache_k, cache_v)
-      k, v = cache_k.astype(dt), cache_v.astype(dt)
-    b, t, h, dh = q.shape
-    kv = c.num_kv_heads
-    if kv_cache is not None and t == 1:
-      out = _attend_one_query(q.reshape(b, kv, h // kv, dh), k, v,
-                              attend_BxTxS[:, 0]).reshape(b, t, h, dh)
-    else:
-      q = q.reshape(b, t, kv, h // kv, dh)
-      scores = jnp.einsum('BTKGd,BSKd->BKGTS', q, k,
-                          preferred_element_type=jnp.float32)
-      scores = scores / math.sqrt(dh)
-      scores = jnp.where(attend_BxTxS[:, None, None], scores, _NEG_INF)
-      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      out = jnp.einsum('BKGTS,BSKd->BTKGd', probs, v).reshape(b, t, h, dh)
+    out, aux = attend(q, k, v)
     out = jnp.einsum('BTHd,HdD->BTD', out, self.wo[...].astype(dt))
     if c.o_bias:
       out = out + self.bo[...].astype(dt)[None, None]
-    return out, new_kv
+    return out, aux
 
 
 def _mlp_hidden(gate_BxTxF, up_BxTxF):
@@ -274,11 +276,12 @@ gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 class MLP(nnx.Module):
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
+               stack: int | None = None):
     d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
-    self.w_gate = _param(rngs, (d, f), ('embed', 'mlp'), pd)
-    self.w_up = _param(rngs, (d, f), ('embed', 'mlp'), pd)
-    self.w_down = _param(rngs, (f, d), ('mlp', 'embed'), pd)
+    self.w_gate = _param(rngs, (d, f), ('embed', 'mlp'), pd, stack=stack)
+    self.w_up = _param(rngs, (d, f), ('embed', 'mlp'), pd, stack=stack)
+    self.w_down = _param(rngs, (f, d), ('mlp', 'embed'), pd, stack=stack)
 
   def __call__(self, x_BxTxD):
     dt = x_BxTxD.dtype
@@ -287,26 +290,35 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
+  """One decoder layer; with `stack`, all of them (leading 'layers' axis)."""
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
+               stack: int | None = None):
     eps, pd = config.rms_norm_eps, config.param_dtype
-    self.attn_norm = RMSNorm(config.hidden_size, eps, pd, 'norm')
-    self.attn = Attention(config, rngs)
-    self.mlp_norm = RMSNorm(config.hidden_size, eps, pd, 'norm')
-    self.mlp = MLP(config, rngs)
+    self.attn_norm = RMSNorm(config.hidden_size, eps, pd, 'norm', stack)
+    self.attn = Attention(config, rngs, stack)
+    self.mlp_norm = RMSNorm(config.hidden_size, eps, pd, 'norm', stack)
+    self.mlp = MLP(config, rngs, stack)
 
-  def __call__(self, x_BxTxD, positions_BxT, inv_freq, attend_BxTxS,
-               kv_cache=None, index=None):
-    h, new_kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, inv_freq,
-                          attend_BxTxS, kv_cache, index)
+  def __call__(self, x_BxTxD, positions_BxT, inv_freq, attend):
+    h, aux = self.attn(self.attn_norm(x_BxTxD), positions_BxT, inv_freq,
+                       attend)
     x_BxTxD = x_BxTxD + h
     x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
-    return sharding.constrain(x_BxTxD, ('batch', 'length', 'act_embed')), new_kv
+    return sharding.constrain(x_BxTxD, ('batch', 'length', 'act_embed')), aux
 
 
 def default_positions(mask_BxT):
   """Positions that ignore left padding: cumsum(mask) - 1, clipped at 0."""
   return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _remat(fn, policy: str, prevent_cse: bool):
+  if policy == 'none':
+    return fn
+  saveable = (None if policy == 'full'
+              else getattr(jax.checkpoint_policies, policy))
+  return jax.checkpoint(fn, policy=saveable, prevent_cse=prevent_cse)
 
 
 class Transformer(nnx.Module):
@@ -317,8 +329,11 @@ class Transformer(nnx.Module):
     pd = config.param_dtype
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size),
                         ('vocab', 'embed'), pd)
-    self.layers = nnx.List(
-        [Block(config, rngs) for _ in range(config.num_layers)])
+    if config.scan_layers:
+      self.layers = Block(config, rngs, stack=config.num_layers)
+    else:
+      self.layers = nnx.List(
+          [Block(config, rngs) for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd,
                               'norm')
     if not config.tie_word_embeddings:
@@ -343,52 +358,112 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.config.dtype)
     return sharding.constrain(x, ('batch', 'length', 'act_embed'))
 
+  def _attend(self, mask_BxS, **kwargs):
+    c = self.config
+    return lambda q, k, v: attention.attention(
+        q, k, v, mask_BxS, impl=c.attention, block=c.attention_block, **kwargs)
+
+  def _run_layers(self, layer_fn, carry, remat: str = 'none'):
+    """(carry, ys): carry, y = layer_fn(block, layer index, carry) per layer.
+
+    The function sees one layer's Block either way; under `scan_layers` it is
+    traced once. ys are stacked [L, ...] (None: none). Remat under a scan
+    needs no CSE barrier: the recomputation sits in the backward loop, which
+    XLA cannot merge with the forward one.
+    """
+    if self.config.scan_layers:
+      graphdef, stacked = nnx.split(self.layers)
+
+      def step(carry, xs):
+        layer_state, i = xs
+        return layer_fn(nnx.merge(graphdef, layer_state), i, carry)
+
+      step = _remat(step, remat, prevent_cse=False)
+      return jax.lax.scan(step, carry,
+                          (stacked, jnp.arange(self.config.num_layers)))
+    ys = []
+    for i, block in enumerate(self.layers):
+      if remat == 'none':
+        carry, y = layer_fn(block, i, carry)
+      else:
+        graphdef, state = nnx.split(block)
+        carry, y = _remat(lambda st, c, i=i, g=graphdef: layer_fn(
+            nnx.merge(g, st), i, c), remat, prevent_cse=True)(state, carry)
+      ys.append(y)
+    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
   def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None):
-    """Final-normed hidden states [B, T, D] of a full (uncached) forward."""
-    t = tokens_BxT.shape[1]
+    """Final-normed hidden states [B, T, D] of a full (uncached) forward.
+
+    `mask_BxT` marks real tokens; each row's real tokens must form one run
+    (left and/or right padding), as training batches and prompts do.
+    """
     if mask_BxT is None:
       mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     mask_BxT = mask_BxT.astype(bool)
     if positions_BxT is None:
       positions_BxT = default_positions(mask_BxT)
-    causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-    attend_BxTxS = causal_TxT[None, :, :] & mask_BxT[:, None, :]
     inv_freq = rope_inv_freq(self.config)
-    x = self._embed(tokens_BxT)
-    for block in self.layers:
-      if self.config.remat:
-        x, _ = nnx.remat(lambda blk, y: blk(y, positions_BxT, inv_freq,
-                                            attend_BxTxS))(block, x)
-      else:
-        x, _ = block(x, positions_BxT, inv_freq, attend_BxTxS)
+    attend = self._attend(mask_BxT, contiguous=True)
+
+    def layer(block, _, x):
+      return block(x, positions_BxT, inv_freq,
+                   lambda q, k, v: (attend(q, k, v), None))[0], None
+
+    x, _ = self._run_layers(layer, self._embed(tokens_BxT), self.config.remat)
     return self.final_norm(x)
 
   def decode(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache, *,
-             head_DxV=None):
+             head_DxV=None, fresh: bool = False):
     """Appends T tokens to the cache; returns (logits [B, T, V], cache).
 
     Query t (cache slot `index + t`) attends to earlier real slots only.
+    `fresh`: the cache is empty (index 0), so the chunk attends within itself
+    (one run of real tokens per row), which fused kernels can take.
     `head_DxV` is the output projection already transposed (once, outside a
     decode loop): XLA:CPU runs the logits matmul ~1.4x faster in that layout.
     """
-    t = tokens_BxT.shape[1]
-    s = cache.mask_BxS.shape[1]
+    c = self.config
+    b, t = tokens_BxT.shape
     index = cache.index
     mask_BxS = jax.lax.dynamic_update_slice(
         cache.mask_BxS, mask_BxT.astype(bool), (0, index))
-    slot_S = jnp.arange(s)
-    query_slot_T = index + jnp.arange(t)
-    attend_BxTxS = (mask_BxS[:, None, :]
-                    & (slot_S[None, None, :] <= query_slot_T[None, :, None]))
-    inv_freq = rope_inv_freq(self.config)
-    x = self._embed(tokens_BxT)
-    ks, vs = [], []
-    for block, ck, cv in zip(self.layers, cache.k, cache.v):
-      x, (ck, cv) = block(x, positions_BxT, inv_freq, attend_BxTxS, (ck, cv),
-                          index)
-      ks.append(sharding.constrain(ck, CACHE_AXES))
-      vs.append(sharding.constrain(cv, CACHE_AXES))
-    cache = KVCache(k=tuple(ks), v=tuple(vs), mask_BxS=mask_BxS,
+    inv_freq = rope_inv_freq(c)
+    if fresh:
+      attend = self._attend(mask_BxT.astype(bool), contiguous=True)
+    else:
+      attend = self._attend(mask_BxS, q_offset=index)
+
+    def layer(block, i, x):
+
+      def attend_cached(q, k, v):
+        # The cache is only read here; the new keys are written once, after
+        # all layers. A read and an in-place write of the same (stacked)
+        # cache inside the layer loop make XLA copy all of it, per layer.
+        if t == 1:
+          out = attention.decode_attention(
+              q.reshape(b, c.num_kv_heads, -1, c.head_dim), cache.k, cache.v,
+              mask_BxS, index, layer=i, block=c.attention_block,
+              new_kv=(k[:, 0], v[:, 0], mask_BxT[:, 0].astype(bool)),
+          ).reshape(q.shape)
+        elif fresh:
+          out = attend(q, k, v)
+        else:  # this layer's cache with the chunk in it: one layer's copy
+          with_chunk = lambda cache_all, new: jax.lax.dynamic_update_slice(
+              jax.lax.dynamic_index_in_dim(cache_all, i, 0, False),
+              new.astype(cache_all.dtype), (0, index, 0, 0)).astype(q.dtype)
+          out = attend(q, with_chunk(cache.k, k), with_chunk(cache.v, v))
+        return out, (k, v)
+
+      return block(x, positions_BxT, inv_freq, attend_cached)
+
+    x, (k_LxBxTxKxDh, v_LxBxTxKxDh) = self._run_layers(
+        layer, self._embed(tokens_BxT))
+    write = lambda all_, new: sharding.constrain(
+        jax.lax.dynamic_update_slice(all_, new.astype(all_.dtype),
+                                     (0, 0, index, 0, 0)), CACHE_AXES)
+    cache = KVCache(k=write(cache.k, k_LxBxTxKxDh),
+                    v=write(cache.v, v_LxBxTxKxDh), mask_BxS=mask_BxS,
                     index=index + t)
     hidden_BxTxD = self.final_norm(x)
     if head_DxV is None:

@@ -1,0 +1,158 @@
+"""Attention implementations against the plain einsum; memory of the backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rla_jax.models import attention
+
+B, H, K, DH = 2, 6, 2, 16  # GQA: 3 query heads per kv head
+
+
+def _qkv(t, s=None, seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  s = s or t
+  q = rng.normal(size=(B, t, H, DH))
+  k = rng.normal(size=(B, s, K, DH))
+  v = rng.normal(size=(B, s, K, DH))
+  return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
+
+
+def _masks(t):
+  """Left padding (row 1), right padding (row 0), and a whole padded row."""
+  both = np.ones((B, t), bool)
+  both[0, t - 5:] = False
+  both[1, :9] = False
+  empty = both.copy()
+  empty[1] = False  # every query of row 1 sees nothing
+  return {'padded': jnp.asarray(both), 'empty_row': jnp.asarray(empty)}
+
+
+def _einsum(q, k, v, mask_BxS, q_offset=0):
+  """Independent reference: per-head numpy-style loops over GQA groups."""
+  t, s, g = q.shape[1], k.shape[1], H // K
+  k = jnp.repeat(k, g, axis=2)
+  v = jnp.repeat(v, g, axis=2)
+  scores = jnp.einsum('bthd,bshd->bhts', q, k) / np.sqrt(DH)
+  visible = mask_BxS[:, None, None, :] & (
+      jnp.arange(s)[None, :] <= q_offset + jnp.arange(t)[:, None])[None, None]
+  probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+  probs = jnp.where(jnp.any(visible, -1, keepdims=True), probs, 0.0)
+  return jnp.einsum('bhts,bshd->bthd', probs, v)
+
+
+def _real(mask_BxT):
+  return np.asarray(mask_BxT)[:, :, None, None]
+
+
+@pytest.mark.parametrize('block', [8, 13, 512])
+@pytest.mark.parametrize('case', ['padded', 'empty_row'])
+def test_chunked_and_xla_match_einsum_with_gradients(block, case):
+  t = 37  # not a multiple of any block: padded blocks are exercised
+  q, k, v = _qkv(t)
+  mask = _masks(t)[case]
+  w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+  loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+  want = _einsum(q, k, v, mask)
+  want_grads = jax.grad(loss(lambda q, k, v: _einsum(q, k, v, mask)),
+                        argnums=(0, 1, 2))(q, k, v)
+  for impl in ('xla', 'chunked'):
+    fn = lambda q, k, v, impl=impl: attention.attention(
+        q, k, v, mask, impl=impl, block=block)
+    got = jax.jit(fn)(q, k, v)
+    # Every query that sees a key, padding queries included, and zeros for
+    # queries that see none.
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    assert np.all(np.isfinite(got))
+    grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+    for name, g, g_want in zip('qkv', grads, want_grads):
+      np.testing.assert_allclose(g, g_want, atol=1e-5, err_msg=f'd{name}')
+
+
+def test_chunked_with_a_cache_offset():
+  """A chunk of 7 queries appended at slot 13 of a 50-slot cache with holes."""
+  q, k, v = _qkv(7, 50, seed=2)
+  mask = jnp.asarray(np.random.default_rng(3).random((B, 50)) > 0.3)
+  want = _einsum(q, k, v, mask, q_offset=13)
+  for offset in (13, jnp.int32(13)):  # static and traced
+    got = jax.jit(lambda q, k, v, o: attention.chunked(q, k, v, mask, o, 8))(
+        q, k, v, offset)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+  grads = jax.grad(lambda k: jnp.sum(attention.chunked(q, k, v, mask, 13, 8)))
+  want_grads = jax.grad(lambda k: jnp.sum(_einsum(q, k, v, mask, 13)))
+  np.testing.assert_allclose(grads(k), want_grads(k), atol=1e-5)
+
+
+@pytest.mark.parametrize('index', [0, 6, 23, 49])
+def test_decode_reads_stacked_cache_in_blocks(index):
+  _, k, v = _qkv(1, 50, seed=4)
+  q = _qkv(1, seed=5)[0]
+  mask = jnp.asarray(np.random.default_rng(6).random((B, 50)) > 0.2)
+  # Layer 1 of a 3-layer cache; blocks of 16 (the last one starts early).
+  stacked_k = jnp.stack([v, k, v])
+  stacked_v = jnp.stack([k, v, k])
+  got = jax.jit(lambda i: attention.decode_attention(
+      q.reshape(B, K, H // K, DH), stacked_k, stacked_v, mask, i,
+      layer=jnp.int32(1), block=16))(jnp.int32(index))
+  want = _einsum(q, k, v, mask, q_offset=index)
+  np.testing.assert_allclose(got.reshape(B, 1, H, DH), want, atol=2e-6)
+
+
+def test_fused_self_attention_rolls_padding_to_the_end():
+  """The cuDNN wrapper's rotation, checked with XLA's kernel behind it."""
+  t = 37
+  q, k, v = _qkv(t, seed=7)
+  mask = _masks(t)['padded']
+  got = attention.fused_self_attention(q, k, v, mask, implementation='xla')
+  want = _einsum(q, k, v, mask)
+  np.testing.assert_allclose(got * _real(mask), want * _real(mask), atol=2e-6)
+  grads = jax.grad(lambda q: jnp.sum(attention.fused_self_attention(
+      q, k, v, mask, implementation='xla') * _real(mask)))(q)
+  want_grads = jax.grad(lambda q: jnp.sum(_einsum(q, k, v, mask)
+                                          * _real(mask)))(q)
+  np.testing.assert_allclose(grads, want_grads, atol=1e-5)
+
+
+def test_splash_kernel_in_interpret_mode():
+  t = 130  # padded to two 128-token tiles
+  q, k, v = _qkv(t, seed=8)
+  mask = _masks(t)['padded']
+  got = attention.splash(q, k, v, mask, block=128, interpret=True)
+  want = _einsum(q, k, v, mask)
+  np.testing.assert_allclose(got * _real(mask), want * _real(mask), atol=2e-5)
+  grad = jax.grad(lambda v: jnp.sum(attention.splash(
+      q, k, v, mask, block=128, interpret=True) * _real(mask)))(v)
+  want_grad = jax.grad(lambda v: jnp.sum(_einsum(q, k, v, mask)
+                                         * _real(mask)))(v)
+  np.testing.assert_allclose(grad, want_grad, atol=2e-5)
+
+
+def test_choice_of_implementation():
+  q, k, _ = _qkv(8)
+  assert attention.choose('auto', q, k, 0, True) == 'chunked'  # on CPU
+  assert attention.choose('splash', q, k, 0, False) == 'splash'
+  assert attention.choose('splash', q, k, jnp.int32(3), False) == 'chunked'
+  with pytest.raises(ValueError, match="model.attention='cudnn' needs a CUDA"):
+    attention.choose('cudnn', q, k, 0, True)
+  with pytest.raises(ValueError, match=r"model.attention='flash'; expected"):
+    attention.choose('flash', q, k, 0, True)
+
+
+def _temp_bytes(impl, t):
+  q, k, v = _qkv(t, seed=9)
+  mask = jnp.ones((B, t), bool)
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attention(
+      q, k, v, mask, impl=impl, block=128) ** 2), argnums=(0, 1, 2)))
+  return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_backward_does_not_store_probabilities():
+  t = 1024
+  probs_bytes = B * H * t * t * 4  # one f32 [B, H, T, S] tensor
+  xla, chunked = _temp_bytes('xla', t), _temp_bytes('chunked', t)
+  print(f'temp bytes at T={t}: xla {xla / 2**20:.1f} MiB, chunked '
+        f'{chunked / 2**20:.1f} MiB (probabilities {probs_bytes / 2**20:.0f}'
+        ' MiB)')
+  assert xla >= probs_bytes
+  assert chunked < probs_bytes / 4
