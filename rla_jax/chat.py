@@ -4,16 +4,28 @@ The one place where text meets the sampler: policy turns, RM judgments,
 critiques and rewrite proposals all go through `complete`. Over-long prompts
 are shortened by `truncation.encode` (they lose their history, not their
 head) and every cut is reported in `Completion.prompt_cut`.
+
+Multi-turn rollouts pass `Turn`s. By default (sampling.session='none') a
+turn's messages are rendered and prefilled whole, history included, as the
+authors do. With 'kv' each conversation stays in the sampler's KV cache
+across turns as a chat (system, user, assistant, user, ...): a turn only
+appends the end of the last answer's assistant turn and the new user turn
+(`turn_delta`), and its `prompt_tokens` are the whole conversation the
+model conditioned on, so training sees exactly that context.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rla_jax import metrics
 from rla_jax import sampler
 from rla_jax import truncation
+
+SESSIONS = ('none', 'kv')
+_SENTINEL = '\x07\x07'  # stands for an answer while rendering what follows it
 
 
 @dataclasses.dataclass
@@ -26,21 +38,86 @@ class Completion:
   logprobs: list[float]
   finish_reason: str
   prompt_cut: bool = False  # the prompt was over max_prompt_len and shortened
+  # In a KV session, `prompt` is the turn in the environment's own prompt
+  # format (what the RM judges and logs show) and `prompt_tokens` is the
+  # conversation held in the cache.
+
+
+@dataclasses.dataclass
+class ChatState:
+  """The conversations of one multi-turn rollout (sampling.session='kv').
+
+  Rows are the rollout's conversation indices; rows r of one chunk
+  (r // sampling.max_rows) share a sampler session.
+  """
+
+  messages: dict[int, list[dict[str, str]]] = dataclasses.field(
+      default_factory=dict)  # row -> the chat so far, answers included
+  stop_text: dict[int, str] = dataclasses.field(
+      default_factory=dict)  # row -> text of the stop token ending its answer
+  sessions: dict[int, Any] = dataclasses.field(
+      default_factory=dict)  # chunk -> (rows in session order, Session)
+  restarts: int = 0  # fresh prefills after the first (a row outgrew the cap)
+
+
+class Turn(list):
+  """A policy turn's messages in the environment's own format, continuable.
+
+  As a list it is what `complete` renders by default. With
+  sampling.session='kv', `complete` continues conversation `row` of `state`
+  with `chat()`: the messages this turn adds to the chat (the environment's
+  `turn_messages`; a final 'assistant' message is an answer prefix).
+  """
+
+  def __init__(self, messages: Sequence[dict[str, str]], *, state: ChatState,
+               row: int, chat: Callable[[], list[dict[str, str]]]):
+    super().__init__(messages)
+    self.state, self.row, self.chat = state, row, chat
+
+
+def _prefix(messages: Sequence[dict[str, str]]):
+  """(messages without a trailing assistant message, that answer prefix)."""
+  messages = list(messages)
+  if messages and messages[-1]['role'] == 'assistant':
+    return messages[:-1], messages[-1]['content']
+  return messages, ''
+
+
+def _template(tokenizer, messages, generation_prompt: bool) -> str:
+  if getattr(tokenizer, 'chat_template', None):
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False,
+        add_generation_prompt=generation_prompt)
+  text = ''.join(f'{m["role"]}: {m["content"]}\n' for m in messages)
+  return text + ('assistant: ' if generation_prompt else '')
 
 
 def render(tokenizer, messages: Sequence[dict[str, str]]) -> str:
-  """Chat template text; a trailing assistant message becomes an answer prefix."""
-  messages = list(messages)
-  prefix = ''
-  if messages and messages[-1]['role'] == 'assistant':
-    prefix = messages.pop()['content']
-  if getattr(tokenizer, 'chat_template', None):
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=True)
-  else:
-    text = ''.join(f'{m["role"]}: {m["content"]}\n' for m in messages)
-    text += 'assistant: '
-  return text + prefix
+  """Chat template text; a trailing assistant message is an answer prefix."""
+  messages, prefix = _prefix(messages)
+  return _template(tokenizer, messages, True) + prefix
+
+
+def turn_delta(tokenizer, chat: Sequence[dict[str, str]],
+               new: Sequence[dict[str, str]], stop_text: str = '') -> str:
+  """Text that continues a held conversation with the messages `new`.
+
+  `chat` ends with the assistant turn just sampled: the delta closes it as
+  the template does (minus `stop_text`, the stop token the answer already
+  ended with), then renders `new` and the generation prompt (and `new`'s
+  answer prefix). Needs an append-only chat template.
+  """
+  new, prefix = _prefix(new)
+  head = list(chat[:-1]) + [dict(chat[-1], content=_SENTINEL)]
+  closed = _template(tokenizer, head, False)
+  both = _template(tokenizer, head + new, True)
+  if _SENTINEL not in closed or not both.startswith(closed):
+    raise ValueError('sampling.session=\'kv\' needs an append-only chat '
+                     'template (rendering a longer chat must extend the text)')
+  closing = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
+  if stop_text and closing.startswith(stop_text):
+    closing = closing[len(stop_text):]
+  return closing + both[len(closed):] + prefix
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -60,43 +137,175 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
   `sampling` is a config section: temperature, top_p, top_k, max_new_tokens,
   max_prompt_len, stop_strings, allowed_tokens (constrained decoding),
   prompt_buckets, batch_buckets, max_rows (rows per sampler call; larger
-  batches are split).
+  batches are split), session ('kv': `Turn`s continue their conversation in
+  the KV cache, see the module docstring), cache_bucket.
   """
+  if sampling.session not in SESSIONS:
+    raise ValueError(f'sampling.session={sampling.session!r}: one of '
+                     f'{SESSIONS}')
+  if (sampling.session == 'kv' and messages_batch
+      and all(isinstance(m, Turn) for m in messages_batch)):
+    return _continue(model, tokenizer, messages_batch, sampling=sampling,
+                     num_samples=num_samples, seed=seed, mesh=mesh,
+                     rules=rules)
   encoded = [truncation.encode(tokenizer, render(tokenizer, m),
                                sampling.max_prompt_len)
              for m in messages_batch]
   prompt_ids = [ids for ids, _, _ in encoded]
   prompts = [text for _, _, text in encoded]
-  allowed = [tokenizer.convert_tokens_to_ids(t) for t in sampling.allowed_tokens]
-  if any(a is None or a == tokenizer.unk_token_id for a in allowed):
-    raise ValueError(f'allowed_tokens={tuple(sampling.allowed_tokens)}: each '
-                     'must be one token of the tokenizer')
-  stop_ids = stop_token_ids(tokenizer)
   per_call = max(1, sampling.max_rows // num_samples)
-  kwargs = {} if rules is None else {'rules': rules}
   results = []
   for start in metrics.progress(range(0, len(prompts), per_call),
                                 desc=f'sampling {len(prompts)} prompts'):
     chunk = prompt_ids[start:start + per_call]
-    out = sampler.generate(
-        model, chunk, sampling.max_new_tokens,
-        temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k, stop_token_ids=stop_ids,
-        allowed_token_ids=tuple(allowed),
-        seed=(seed * 100_003 + start) % 2**32, num_samples=num_samples,
-        stop_strings=tuple(sampling.stop_strings), tokenizer=tokenizer,
-        prompt_buckets=tuple(sampling.prompt_buckets),
-        batch_buckets=tuple(sampling.batch_buckets), mesh=mesh, **kwargs)
+    out = _sample(model, tokenizer, chunk, sampling, num_samples,
+                  (seed * 100_003 + start) % 2**32, mesh, rules)
     for i, ids in enumerate(chunk):
       row = []
       for j in range(num_samples):
         k = i * num_samples + j
-        tokens = list(out.tokens[k])
-        row.append(Completion(
-            prompt=prompts[start + i], prompt_tokens=list(ids),
-            text=tokenizer.decode(tokens, skip_special_tokens=True),
-            tokens=tokens, logprobs=list(out.logprobs[k]),
-            finish_reason=out.finish_reason[k],
-            prompt_cut=encoded[start + i][1]))
+        row.append(_completion(tokenizer, out, k, prompts[start + i], ids,
+                               encoded[start + i][1]))
       results.append(row)
   return results
+
+
+def _sample(model, tokenizer, prompts, sampling, num_samples, seed, mesh,
+            rules, **session):
+  """One sampler.generate call with the options of a sampling section."""
+  allowed = [tokenizer.convert_tokens_to_ids(t)
+             for t in sampling.allowed_tokens]
+  if any(a is None or a == tokenizer.unk_token_id for a in allowed):
+    raise ValueError(f'allowed_tokens={tuple(sampling.allowed_tokens)}: each '
+                     'must be one token of the tokenizer')
+  kwargs = {} if rules is None else {'rules': rules}
+  return sampler.generate(
+      model, prompts, sampling.max_new_tokens,
+      temperature=sampling.temperature, top_p=sampling.top_p,
+      top_k=sampling.top_k, stop_token_ids=stop_token_ids(tokenizer),
+      allowed_token_ids=tuple(allowed), seed=seed, num_samples=num_samples,
+      stop_strings=tuple(sampling.stop_strings), tokenizer=tokenizer,
+      prompt_buckets=tuple(sampling.prompt_buckets),
+      batch_buckets=tuple(sampling.batch_buckets), mesh=mesh, **session,
+      **kwargs)
+
+
+def _completion(tokenizer, out, k, prompt, prompt_ids, cut) -> Completion:
+  tokens = list(out.tokens[k])
+  return Completion(
+      prompt=prompt, prompt_tokens=list(prompt_ids),
+      text=tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+      logprobs=list(out.logprobs[k]), finish_reason=out.finish_reason[k],
+      prompt_cut=cut)
+
+
+def _continue(model, tokenizer, turns: Sequence[Turn], *, sampling,
+              num_samples: int, seed: int, mesh,
+              rules) -> list[list[Completion]]:
+  """`complete` for Turns in KV sessions (one completion per turn)."""
+  if num_samples != 1:
+    raise ValueError('sampling.session=\'kv\' samples one answer per turn')
+  state = turns[0].state
+  if any(t.state is not state for t in turns):
+    raise ValueError('the Turns of one call must share one ChatState')
+  per_call = max(1, sampling.max_rows)
+  chunks: dict[int, list[Turn]] = {}
+  for t in turns:
+    chunks.setdefault(t.row // per_call, []).append(t)
+  done = {}
+  for chunk, members in sorted(chunks.items()):
+    new = {t.row: t.chat() for t in members}
+    held = state.sessions.get(chunk)
+    deltas = None if held is None else _deltas(tokenizer, state, held, new,
+                                               sampling.max_prompt_len)
+    if deltas is None:  # a fresh prefill: first turn, or a row outgrew the cap
+      state.restarts += held is not None
+      rows = sorted(new)
+      prompts, cuts = zip(*(_fresh(tokenizer, state, r, new[r],
+                                   sampling.max_prompt_len) for r in rows))
+      out = _sample(model, tokenizer, list(prompts), sampling, 1,
+                    (seed * 100_003 + chunk) % 2**32, mesh, rules,
+                    keep_session=True, cache_bucket=sampling.cache_bucket)
+    else:
+      rows, session = held
+      prompts = [deltas.get(r) for r in rows]
+      cuts = [False] * len(rows)
+      before = [list(c) for c in session.conversations]
+      out = _sample(model, tokenizer, prompts, sampling, 1,
+                    (seed * 100_003 + chunk) % 2**32, mesh, rules,
+                    session=session, keep_session=True,
+                    cache_bucket=sampling.cache_bucket)
+      prompts = [None if d is None else b + d for b, d in zip(before, prompts)]
+    state.sessions[chunk] = (list(rows), out.session)
+    for k, r in enumerate(rows):
+      if r not in new:
+        continue
+      completion = _completion(tokenizer, out, k, '', prompts[k], cuts[k])
+      _, prefix = _prefix(new[r])
+      state.messages[r] = (_chat_only(new[r]) if r not in state.messages
+                           else state.messages[r] + _chat_only(new[r]))
+      state.messages[r].append({'role': 'assistant',
+                                'content': prefix + completion.text})
+      last = completion.tokens[-1:] if (
+          completion.finish_reason == sampler.STOP_TOKEN) else []
+      state.stop_text[r] = tokenizer.decode(last, skip_special_tokens=False)
+      done[r] = completion
+  results = []
+  for t in turns:
+    completion = done[t.row]
+    # What the RM judges: this turn in the environment's own format.
+    _, _, completion.prompt = truncation.encode(
+        tokenizer, render(tokenizer, t), sampling.max_prompt_len)
+    results.append([completion])
+  return results
+
+
+def _chat_only(messages):
+  return _prefix(messages)[0]
+
+
+def _deltas(tokenizer, state, held, new, max_len):
+  """Row -> tokens continuing its conversation, or None when one would
+  outgrow max_len (the chunk then starts a fresh session)."""
+  rows, session = held
+  deltas = {}
+  for k, r in enumerate(rows):
+    if r not in new:
+      continue
+    text = turn_delta(tokenizer, state.messages[r], new[r], state.stop_text[r])
+    ids = tokenizer(text, add_special_tokens=False)['input_ids']
+    if len(session.conversations[k]) + len(ids) > max_len:
+      return None
+    deltas[r] = ids
+  if any(r not in rows for r in new):
+    raise ValueError(f'rows {sorted(set(new) - set(rows))} are not in the '
+                     'session of their chunk')
+  return deltas
+
+
+def _fresh(tokenizer, state, row, new, max_len) -> tuple[list[int], bool]:
+  """(prompt tokens of a whole conversation, whether turns were dropped).
+
+  An over-long chat loses its oldest exchanges after the first (which holds
+  the instructions and the task); if that is not enough, the middle of the
+  text (truncation.encode).
+  """
+  chat = list(state.messages.get(row, []))
+  tail, prefix = _prefix(new)
+  dropped = False
+  while True:
+    ids = tokenizer(_template(tokenizer, chat + tail, True) + prefix,
+                    add_special_tokens=False)['input_ids']
+    first_answer = next((i for i, m in enumerate(chat)
+                         if m['role'] == 'assistant'), None)
+    if len(ids) <= max_len or first_answer is None or (
+        len(chat) < first_answer + 3):
+      break
+    del chat[first_answer + 1:first_answer + 3]  # the oldest user + answer
+    dropped = True
+  state.messages[row] = chat
+  if len(ids) > max_len:
+    ids, _, _ = truncation.encode(
+        tokenizer, _template(tokenizer, chat + tail, True) + prefix, max_len)
+    dropped = True
+  return ids, dropped
