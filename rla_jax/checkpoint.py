@@ -254,7 +254,7 @@ class Checkpointer:
         raise
 
 
-# ---- a whole run (`run` is a loop.Run) --------------------------------------
+# ---- a whole run (`run` is a runtime.Run) --------------------------------------
 
 
 def run_meta(run, epoch: int) -> dict[str, Any]:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
+
 from rla_jax import chat
+from rla_jax import distributed
 from rla_jax import feedback
 from rla_jax import structs
 from rla_jax.boxed import last_boxed
@@ -137,16 +140,22 @@ def _run_tests(env, groups, judgments):
   by_group = {}
   for j in judgments:
     by_group.setdefault(j.group, []).append(j)
-  for group, tests in by_group.items():
+  results = {}  # group index -> passes_PxU; each process runs its share
+  for i, (group, tests) in enumerate(by_group.items()):
+    if not distributed.owns(i):
+      continue
     trajs = groups[group]
     programs = [t.info.get('program', '') for t in trajs]
     try:
-      passes_PxU = env.execute(trajs[0].spec, programs,
-                               [j.info['test'] for j in tests])
+      results[i] = np.asarray(env.execute(trajs[0].spec, programs,
+                                          [j.info['test'] for j in tests]))
     except Exception:  # pylint: disable=broad-exception-caught
       logging.exception('running the RM tests of %s failed', group)
-      passes_PxU = None
+      results[i] = None
+  results = distributed.gather_owned(results)
+  for i, (group, tests) in enumerate(by_group.items()):
+    passes_PxU = results[i]
     for u, j in enumerate(tests):
-      j.info['rollouts'] = [t.rollout for t in trajs]
+      j.info['rollouts'] = [t.rollout for t in groups[group]]
       j.info['passed'] = (None if passes_PxU is None else
                           [bool(x) for x in passes_PxU[:, u]])

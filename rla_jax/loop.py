@@ -13,18 +13,13 @@ each point is in rla_jax/preemption.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import importlib
 import itertools
 import json
 import logging
 import os
 import time
-from concurrent import futures
-from typing import Any
 
-import grain
 import jax
 import numpy as np
 from flax import nnx
@@ -32,46 +27,21 @@ from flax import nnx
 from rla_jax import chat
 from rla_jax import checkpoint
 from rla_jax import curator
+from rla_jax import distributed
 from rla_jax import feedback
 from rla_jax import judge
 from rla_jax import metrics
 from rla_jax import preemption
+from rla_jax import report
 from rla_jax import rollout
+from rla_jax import runtime
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
-from rla_jax.models import loading
 
 SUMMARY_KEYS = ('rollout/accuracy', 'judge/parse_fail_rate', 'policy/loss',
                 'policy/kl', 'rm/loss', 'curator/accepted', 'curator/rejected',
                 'curator/pending', 'eval/*/accuracy', 'time/epoch_s')
-KL_REFERENCES = ('pi_old', 'initial')
-# Which sampler section feeds which model's training data.
-_SAMPLED_BY = {'policy': 'rollout', 'reward_model': 'judge'}
-
-
-@dataclasses.dataclass
-class Run:
-  """Everything one run holds between epochs (host side)."""
-
-  config: Any
-  workdir: str
-  mesh: Any
-  rules: tuple
-  env: Any
-  tokenizers: dict[str, Any]
-  graphdefs: dict[str, Any]
-  trainers: dict[str, train.Trainer]
-  states: dict[str, train.TrainState]
-  env_params: Any  # frozen environment-LLM parameters
-  ref_params: dict[str, Any]  # frozen KL references (kl_reference='initial')
-  pool: list[structs.Task]
-  order: Any  # grain iterator over slot indices (checkpointed position)
-  writer: metrics.Writer
-  executor: futures.ThreadPoolExecutor
-  chief: bool
-  saved_epoch: int = 0  # newest epoch with a committed checkpoint
-  eval_pending: bool = False  # its evaluation was skipped by a stop
 
 
 def _seed(config, *keys: int) -> int:
@@ -80,13 +50,13 @@ def _seed(config, *keys: int) -> int:
              .generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def _model(run: Run, name: str):
+def _model(run: runtime.Run, name: str):
   """The NNX model viewing the run's current arrays (no copy)."""
   params = run.env_params if name == 'env_model' else run.states[name].params
   return nnx.merge(run.graphdefs[name], params)
 
 
-def _sample_fn(run: Run, name: str, sampling) -> rollout.PolicyFn:
+def _sample_fn(run: runtime.Run, name: str, sampling) -> rollout.PolicyFn:
   """messages batch, seed -> one completion each, from model `name`."""
 
   def sample(messages, seed):
@@ -98,7 +68,7 @@ def _sample_fn(run: Run, name: str, sampling) -> rollout.PolicyFn:
   return sample
 
 
-def _generate_fn(run: Run, epoch: int, cuts: list[int]):
+def _generate_fn(run: runtime.Run, epoch: int, cuts: list[int]):
   """The environment LLM as text -> text (critiques, rewrite proposals).
 
   `curator.answer_prefix` pre-fills each answer (small models then answer in
@@ -174,7 +144,7 @@ def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
   }
 
 
-def _env_metrics(run: Run, trajs, prefix: str) -> dict[str, float]:
+def _env_metrics(run: runtime.Run, trajs, prefix: str) -> dict[str, float]:
   """The setting's own metrics of a batch of rollouts (optional hook)."""
   metrics_fn = getattr(run.env, 'metrics', None)
   if metrics_fn is None:
@@ -187,12 +157,12 @@ def _needs_judge(config) -> bool:
           or config.curator.enabled)
 
 
-def _log_events(run: Run, epoch: int, events):
+def _log_events(run: runtime.Run, epoch: int, events):
   for event in events:
     run.writer.text(epoch, 'curator/decisions', json.dumps(event))
 
 
-def _epoch(run: Run, epoch: int) -> dict[str, float]:
+def _epoch(run: runtime.Run, epoch: int) -> dict[str, float]:
   config = run.config
   values: dict[str, float] = {}
   timer = _Timer(values, epoch, run.chief)
@@ -276,7 +246,7 @@ def _epoch(run: Run, epoch: int) -> dict[str, float]:
   return values
 
 
-def _log_samples(run: Run, epoch: int, trajs, judgments, accuracy):
+def _log_samples(run: runtime.Run, epoch: int, trajs, judgments, accuracy):
   writer = run.writer
   writer.histogram(epoch, 'rollout/task_accuracy',
                    [a.accuracy for a in accuracy.values()
@@ -301,7 +271,7 @@ def _log_samples(run: Run, epoch: int, trajs, judgments, accuracy):
            'to': task.pending.spec, 'critiques': task.pending.critiques}))
 
 
-def _evaluate(run: Run, epoch: int) -> dict[str, float]:
+def _evaluate(run: runtime.Run, epoch: int) -> dict[str, float]:
   """Held-out accuracy per split (`eval/<split>/...`), and the RM on it.
 
   Each split in config.eval.splits is rolled out with the evaluation turn
@@ -345,150 +315,18 @@ def _evaluate(run: Run, epoch: int) -> dict[str, float]:
   return values
 
 
-def train_limits(config, name: str) -> tuple[int, int]:
-  """(max_prompt_len, max_response_len) of model `name`'s training data.
-
-  0 in config.train.<name> means the limit of the sampler that produced the
-  data (rollout for the policy, judge for the RM), so by default nothing is
-  trained on a context it was not sampled from.
-  """
-  sampled = config[_SAMPLED_BY[name]].sampling
-  limits = config.train[name]
-  return (limits.max_prompt_len or sampled.max_prompt_len,
-          limits.max_response_len or sampled.max_new_tokens)
-
-
-def validate(config) -> None:
-  """Rejects inconsistent values with the config key that is wrong."""
-
-  def check(ok: bool, key: str, why: str):
-    if not ok:
-      raise ValueError(f'config.{key}={_lookup(config, key)!r}: {why}')
-
-  check(config.loop.num_epochs >= 0, 'loop.num_epochs', 'must be >= 0')
-  check(config.rollout.num_tasks >= 1, 'rollout.num_tasks', 'must be >= 1')
-  check(config.rollout.group_size >= 1, 'rollout.group_size', 'must be >= 1')
-  check(config.judge.num_samples >= 1, 'judge.num_samples', 'must be >= 1')
-  check(0 <= config.curator.alpha_low < config.curator.alpha_high <= 1,
-        'curator.alpha_low', 'need 0 <= alpha_low < alpha_high <= 1')
-  check(config.curator.pending_max_tries >= 1, 'curator.pending_max_tries',
-        'must be >= 1 (epochs a rewrite may go without a measurement)')
-  check(config.feedback.singleton in ('raw', 'zero'), 'feedback.singleton',
-        "must be 'raw' or 'zero'")
-  check(config.feedback.policy_filter in feedback.POLICY_FILTERS,
-        'feedback.policy_filter', f'must be one of {feedback.POLICY_FILTERS}')
-  check(config.feedback.mode in feedback.MODES, 'feedback.mode',
-        f'must be one of {feedback.MODES}')
-  check(config.feedback.unit_test_reward in feedback.UNIT_TEST_REWARDS,
-        'feedback.unit_test_reward',
-        f'must be one of {feedback.UNIT_TEST_REWARDS}')
-  check(config.loop.checkpoint_every >= 1, 'loop.checkpoint_every',
-        'must be >= 1')
-  check(config.eval.max_turns >= 1, 'eval.max_turns', 'must be >= 1')
-  check(bool(config.eval.splits) or not config.eval.every, 'eval.splits',
-        'name at least one evaluation split (or set eval.every=0)')
-  trained = ('policy', 'reward_model') if config.loop.train_rm else (
-      'policy',)
-  for name in ('policy', 'reward_model'):
-    check(config.train[name].kl_reference in KL_REFERENCES,
-          f'train.{name}.kl_reference', f'must be one of {KL_REFERENCES}')
-    check(config.train[name].logprob_gap_warn >= 0,
-          f'train.{name}.logprob_gap_warn', 'must be >= 0')
-  for name in trained:
-    sampled = f'{_SAMPLED_BY[name]}.sampling'
-    prompt, response = train_limits(config, name)
-    for key, limit, sampler_key in (
-        ('max_prompt_len', prompt, 'max_prompt_len'),
-        ('max_response_len', response, 'max_new_tokens')):
-      have = _lookup(config, f'{sampled}.{sampler_key}')
-      check(limit >= have, f'train.{name}.{key}',
-            f'shorter than config.{sampled}.{sampler_key}={have}: {name} '
-            'training would see cut contexts it never sampled from; raise '
-            'it (and its buckets) or set it to 0 (= the sampler\'s)')
-
-
-def _lookup(config, key: str):
-  for part in key.split('.'):
-    config = config[part]
-  return config
-
-
-def _make_env(config, workdir: str):
-  try:
-    module = importlib.import_module(f'rla_jax.envs.{config.env.name}')
-  except ModuleNotFoundError as e:
-    raise ValueError(f'config.env.name={config.env.name!r}: no module '
-                     f'rla_jax/envs/{config.env.name}.py ({e})') from e
-  return module, module.from_config(config.env, workdir)
-
-
-def _broadcast_pool(pool):
-  """Process 0's pool on every host (curator decisions are made there)."""
-  if jax.process_count() == 1:
-    return pool
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  data = np.frombuffer(json.dumps(curator.state(pool)).encode(), np.uint8)
-  size = multihost_utils.broadcast_one_to_all(np.int64(data.size))
-  buf = np.zeros(int(size), np.uint8)
-  buf[:data.size] = data[:int(size)]
-  buf = multihost_utils.broadcast_one_to_all(buf)
-  return curator.from_state(json.loads(bytes(buf).decode()))
-
-
-def _setup(config, workdir: str) -> Run:
-  chief = jax.process_index() == 0
-  mesh = sharding.mesh_from_config(config.mesh)
-  rules = sharding.resolve_rules(config.mesh.rules)
-  env_module, env = _make_env(config, workdir)
-  make_tokenizer = getattr(env_module, 'make_tokenizer', None)
-  graphdefs, params, tokenizers = {}, {}, {}
-  with sharding.use(mesh, rules):
-    for name in ('policy', 'reward_model', 'env_model'):
-      model, tokenizers[name] = loading.from_config(
-          config[name], name=name, mesh=mesh, rules=rules,
-          make_tokenizer=make_tokenizer)
-      graphdefs[name], state = nnx.split(model)
-      params[name] = nnx.to_pure_dict(state)
-  trainers, states, ref_params = {}, {}, {}
-  for name, kind in (('policy', train.POLICY), ('reward_model', train.REWARD)):
-    limits = config.train[name]
-    # 0 = the sampler's limit (train_limits); resolved once, so the written
-    # config.json and the trainer see the numbers in use.
-    limits.max_prompt_len, limits.max_response_len = train_limits(config,
-                                                                  name)
-    trainers[name] = train.Trainer(graphdefs[name], config.optim[name],
-                                   limits, mesh, rules, kind=kind)
-    if limits.kl_reference == 'initial':
-      # A frozen copy of the starting weights (one more copy of the model in
-      # memory). The train state's arrays are donated at every step, so the
-      # reference must not share buffers with them. On resume the weights are
-      # loaded from the same path again, so the reference is unchanged.
-      ref_params[name] = jax.tree.map(lambda x: x.copy(), params[name])
-    states[name] = trainers[name].init_state(params[name])
-  pool = curator.build_pool(env.tasks('train'))
-  order = iter(grain.MapDataset.range(len(pool)).shuffle(seed=config.seed)
-               .repeat().to_iter_dataset())
-  return Run(config=config, workdir=workdir, mesh=mesh, rules=rules, env=env,
-             tokenizers=tokenizers, graphdefs=graphdefs, trainers=trainers,
-             states=states, env_params=params['env_model'],
-             ref_params=ref_params, pool=pool, order=order,
-             writer=metrics.Writer(os.path.join(workdir, 'tb'), enabled=chief),
-             executor=futures.ThreadPoolExecutor(config.loop.env_threads),
-             chief=chief)
-
-
 def pool_digest(pool_state) -> str:
   """Short fingerprint of a pool state (logged on resume)."""
   blob = json.dumps(pool_state, sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _save_pool(run: Run, pool):
+def _save_pool(run: runtime.Run, pool):
   if run.chief:
     curator.save_jsonl(pool, os.path.join(run.workdir, 'pool.jsonl'))
 
 
-def _report(run: Run, epoch: int, values: dict[str, float]):
+def _report(run: runtime.Run, epoch: int, values: dict[str, float]):
   """Epoch scalars to TensorBoard/JSONL and the summary line (process 0)."""
   if run.chief:
     run.writer.scalars(epoch, values)
@@ -496,7 +334,7 @@ def _report(run: Run, epoch: int, values: dict[str, float]):
     print(metrics.summary_line(epoch, values, SUMMARY_KEYS), flush=True)
 
 
-def _stopped(run: Run, ckpt, stopper, resume_command: str):
+def _stopped(run: runtime.Run, ckpt, stopper, resume_command: str):
   if run.chief:
     print(stopper.summary(ckpt.path(run.saved_epoch) if run.saved_epoch
                           else '', run.eval_pending, resume_command),
@@ -509,8 +347,11 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
   Returns the last epoch's scalars; on SIGTERM/SIGINT it checkpoints and
   returns early, printing `resume_command`. One run per workdir (a lock).
   """
-  validate(config)
+  runtime.validate(config)
   preemption.check_keys(config)
+  distributed.check_devices(config.mesh)
+  if jax.process_index() == 0:
+    print(distributed.describe(), flush=True)
   os.makedirs(workdir, exist_ok=True)
   with preemption.guard(workdir, config.loop.preempt_grace_s,
                         chief=jax.process_index() == 0) as stopper:
@@ -519,7 +360,7 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
       jax.config.update('jax_compilation_cache_dir',
                         os.path.expanduser(config.loop.compilation_cache_dir))
       jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
-    state = _setup(config, workdir)
+    state = runtime.setup(config, workdir)
     if state.chief:
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
         f.write(config.to_json_best_effort(indent=2))
@@ -529,14 +370,42 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
                                    clean_tmp=True)
     try:
       with sharding.use(state.mesh, state.rules):
-        return _epochs(state, ckpt, stopper, resume_command)
+        last = _epochs(state, ckpt, stopper, resume_command)
+        _write_process_report(state)
+        stopped = stopper.requested()  # on every process: a collective
+        if state.chief and not stopped:
+          print(report.write(workdir), flush=True)
+        return last
     finally:
       ckpt.close()
       state.writer.close()
       state.executor.shutdown()
 
 
-def _epochs(state: Run, ckpt, stopper, resume_command: str):
+def _write_process_report(run: runtime.Run):
+  """WORKDIR/process_<i>.json: what this process ended with.
+
+  The pool digest and on-device checksums of both models' parameters; every
+  process of a run must write the same values (launch/local.sh compares
+  them).
+  """
+  report = {
+      'process': jax.process_index(), 'processes': jax.process_count(),
+      'devices': jax.device_count(), 'epoch': run.saved_epoch,
+      'pool_digest': pool_digest(curator.state(run.pool)),
+      'steps': {n: int(s.step) for n, s in run.states.items()},
+      'params': {n: distributed.checksum(s.params)
+                 for n, s in run.states.items()},
+      'param_stats': {n: distributed.param_stats(s.params)
+                      for n, s in run.states.items()},
+  }
+  path = os.path.join(run.workdir, f'process_{jax.process_index()}.json')
+  with open(path + '.tmp', 'w') as f:
+    json.dump(report, f, indent=1)
+  os.replace(path + '.tmp', path)
+
+
+def _epochs(state: runtime.Run, ckpt, stopper, resume_command: str):
   """Resume, then epochs until the last or a stop; returns the last scalars."""
   config = state.config
   latest = checkpoint.restore_run(ckpt, state)
@@ -575,7 +444,11 @@ def _epochs(state: Run, ckpt, stopper, resume_command: str):
       return last
     finally:
       stopper.abandonable = lambda: False
-    state.pool = _broadcast_pool(state.pool)
+    # Process 0 decides the curator (the others computed the same).
+    state.pool = distributed.broadcast(state.pool)
+    if distributed.is_multiprocess():
+      values.update({f'distributed/{kind}_bytes': float(n) for kind, n in
+                     distributed.take_traffic().items()})
     is_last = epoch == config.loop.num_epochs
     stop = stopper.requested()
     if config.eval.every and (epoch % config.eval.every == 0 or is_last):

@@ -4,10 +4,24 @@ Every turn, all live episodes are rendered and sampled in ONE sampler batch;
 the environments then step in a thread pool. An environment exception marks
 that trajectory `error` (excluded from training, counted, logged) and never
 stops the epoch.
+
+Each turn's messages are a `chat.Turn`: the environment's prompt with the
+whole history (rendered and prefilled again every turn, the default), which
+with sampling.session='kv' is instead continued as a chat held in the
+sampler's KV cache (the environment's optional `turn_messages(spec,
+observation, first)` gives the messages one turn adds). Either way each
+Step records the exact prompt tokens and response the model saw.
+
+Multi-host: the sampler is one program over the global mesh (every process
+calls it with the same prompts), while episode i lives on the process that
+owns it (`distributed.owns(i)`): only that process resets and steps it, and
+the results of all episodes are gathered after every turn, so every process
+ends with the same trajectories.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import traceback
 from collections.abc import Callable, Sequence
@@ -15,6 +29,7 @@ from concurrent import futures
 from typing import Any
 
 from rla_jax import chat
+from rla_jax import distributed
 from rla_jax import metrics
 from rla_jax import structs
 
@@ -24,12 +39,46 @@ TaskRef = tuple[str, dict[str, Any], str]
 PolicyFn = Callable[[Sequence[Sequence[dict]], int], list[chat.Completion]]
 
 
-def _fail(traj: structs.Trajectory, exc: BaseException):
+class _Failed:
+  """An environment exception, as it travels between processes."""
+
+  def __init__(self, exc: BaseException):
+    self.error = f'{type(exc).__name__}: {exc}'
+    self.trace = ''.join(traceback.format_exception(exc)[-3:])
+
+
+def _fail(traj: structs.Trajectory, failed: _Failed):
   traj.status = structs.ERROR
-  traj.error = f'{type(exc).__name__}: {exc}'
+  traj.error = failed.error
   logging.warning('environment error in %s/%s rollout %d: %s\n%s',
                   traj.task_id, traj.source, traj.rollout, traj.error,
-                  ''.join(traceback.format_exception(exc)[-3:]))
+                  failed.trace)
+
+
+def _on_owners(pool: futures.Executor, fn, items: dict[int, Any]):
+  """{i: fn(items[i]) or _Failed} for every i, each run by its owner.
+
+  This process runs its own items in the thread pool; the others' results
+  arrive by one gather (nothing is exchanged with one process).
+  """
+  mine = {i: pool.submit(fn, i, x) for i, x in items.items()
+          if distributed.owns(i)}
+  results = {}
+  for i, fut in mine.items():
+    try:
+      results[i] = fut.result()
+    except Exception as exc:  # pylint: disable=broad-except
+      results[i] = _Failed(exc)
+  return distributed.gather_owned(results)
+
+
+def _turn_messages(env, spec, observation, first):
+  """The messages a turn adds to a held conversation (sessions only)."""
+  hook = getattr(env, 'turn_messages', None)
+  if hook is None:
+    raise ValueError(f'sampling.session=\'kv\' needs an environment with '
+                     f'turn_messages(); {type(env).__name__} has none')
+  return hook(spec, observation, first)
 
 
 def run(env, tasks: Sequence[TaskRef], *, group_size: int,
@@ -44,36 +93,41 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
       episodes.append(None)
       observations.append('')
 
-  def start(i):
-    episodes[i] = env.make_episode(trajs[i].spec, seed * 1_000_003 + i,
-                                   max_turns)
+  def start(i, spec):
+    episodes[i] = env.make_episode(spec, seed * 1_000_003 + i, max_turns)
     return episodes[i].reset()
 
   live = []
-  for i, fut in enumerate([pool.submit(start, i) for i in range(len(trajs))]):
-    try:
-      observations[i] = fut.result()
+  started = _on_owners(pool, start, {i: t.spec for i, t in enumerate(trajs)})
+  for i in range(len(trajs)):
+    if isinstance(started[i], _Failed):
+      _fail(trajs[i], started[i])
+    else:
+      observations[i] = started[i]
       live.append(i)
-    except Exception as exc:  # pylint: disable=broad-except
-      _fail(trajs[i], exc)
 
   turns: list[list[tuple[str, str]]] = [[] for _ in trajs]
+  state = chat.ChatState()
   for turn in metrics.progress(range(max_turns), desc='rollout turns'):
     if not live:
       break
-    messages = [env.policy_messages(trajs[i].spec, turns[i], observations[i])
+    messages = [chat.Turn(
+        env.policy_messages(trajs[i].spec, turns[i], observations[i]),
+        state=state, row=i,
+        chat=functools.partial(_turn_messages, env, trajs[i].spec,
+                               observations[i], turn == 0))
                 for i in live]
     completions = policy(messages, seed * 7919 + turn)
     actions = [env.parse_action(c.text, observations[i])
                for i, c in zip(live, completions)]
-    results = [pool.submit(episodes[i].step, a) for i, a in zip(live, actions)]
+    results = _on_owners(pool, lambda i, a: episodes[i].step(a),
+                         dict(zip(live, actions)))
     still_live = []
-    for i, c, action, fut in zip(live, completions, actions, results):
-      try:
-        observation, done, outcome = fut.result()
-      except Exception as exc:  # pylint: disable=broad-except
-        _fail(trajs[i], exc)
+    for i, c, action in zip(live, completions, actions):
+      if isinstance(results[i], _Failed):
+        _fail(trajs[i], results[i])
         continue
+      observation, done, outcome = results[i]
       trajs[i].steps.append(structs.Step(
           prompt=c.prompt, prompt_tokens=c.prompt_tokens, response=c.text,
           response_tokens=c.tokens, logprobs=c.logprobs, action=action,
@@ -88,9 +142,12 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
     live = still_live
   for i in live:  # ran out of turns without a verdict: a failure
     trajs[i].outcome = -1.0
-  for traj, episode in zip(trajs, episodes):
-    if episode is not None and traj.status == structs.OK:
-      traj.info = dict(getattr(episode, 'info', None) or {})
+  infos = distributed.gather_owned({
+      i: dict(getattr(episode, 'info', None) or {})
+      for i, episode in enumerate(episodes) if episode is not None})
+  for i, traj in enumerate(trajs):
+    if i in infos and traj.status == structs.OK:
+      traj.info = infos[i]
   for episode in episodes:
     if episode is not None:
       try:

@@ -5,6 +5,12 @@ import os
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8')
 os.environ['JAX_PLATFORMS'] = 'cpu'
+# XLA:CPU runs the simulated devices' collectives on one thread pool sized
+# max(cores, devices); a device may block in two independent collectives at
+# once, so 8 threads can all wait while a participant never gets one (the
+# rendezvous then aborts the process). NPROC sizes that pool (and reaches the
+# subprocesses tests start).
+os.environ.setdefault('NPROC', '64')
 os.environ['HF_HUB_OFFLINE'] = '1'
 os.environ['TRANSFORMERS_OFFLINE'] = '1'
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
@@ -13,6 +19,12 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-posit
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'slow: an end-to-end test of a minute or more; it runs in CI '
+      '(deselect with -m "not slow" for a quick local pass)')
 
 TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4,

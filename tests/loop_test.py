@@ -14,6 +14,7 @@ import pytest
 from rla_jax import checkpoint
 from rla_jax import curator
 from rla_jax import loop
+from rla_jax import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -100,6 +101,14 @@ def test_second_invocation_resumes_at_epoch_three(two_epochs, tmp_path):
   assert 'epoch 1:' not in out and 'epoch 3 |' in out
   assert [r['step'] for r in _scalars(workdir)
           if 'rollout/accuracy' in r] == [1, 2, 3]
+  # The end-of-run table (rla_jax/report.py) closes the run's output.
+  table = out[out.index('eval accuracy (eval) [95% CI]'):]
+  for row in ('(epoch 0)', '(epoch 3)', 'RM outcome acc (eval rollouts)',
+              'rewrites requested / created / accepted / rejected',
+              'time rollout', 'time rm_update',
+              f'TensorBoard: tensorboard --logdir {workdir}/tb'):
+    assert row in table, row
+  assert os.path.exists(os.path.join(workdir, 'report.png'))
 
 
 def test_sigkill_mid_epoch_resumes_with_same_pool_and_step(tmp_path):
@@ -134,9 +143,9 @@ def test_checkpoint_of_another_config_fails_clearly(two_epochs):
   config.loop.num_epochs = 4
   config.policy.random.intermediate_size = 96
   with pytest.raises(checkpoint.ConfigMismatchError,
-                     match=r'policy\.params\.layers\.0\.mlp\.w_down has shape '
-                     r'\(128, 64\) in the checkpoint but the config builds '
-                     r'\(96, 64\)'):
+                     match=r'policy\.params\.layers\.mlp\.w_down has shape '
+                     r'\(2, 128, 64\) in the checkpoint but the config builds '
+                     r'\(2, 96, 64\)'):
     loop.run(config, workdir)
 
 
@@ -245,7 +254,7 @@ def test_initial_kl_reference_stays_frozen(tmp_path):
   config = tiny.get_config()
   config.train.policy.kl_reference = 'initial'
   config.eval.every = 0
-  run = loop._setup(config, str(tmp_path))  # pylint: disable=protected-access
+  run = runtime.setup(config, str(tmp_path))
   with loop.sharding.use(run.mesh, run.rules):
     initial = jax.tree.map(np.asarray, run.ref_params['policy'])
     for epoch in (1, 2):
@@ -264,22 +273,22 @@ def test_initial_kl_reference_stays_frozen(tmp_path):
 def test_training_limits_follow_the_sampler_and_shorter_ones_fail(tmp_path):
   config = tiny.get_config()
   config.train.reward_model.max_prompt_len = 0
-  assert loop.train_limits(config, 'reward_model') == (256, 8)  # response: its own 8
+  assert runtime.train_limits(config, 'reward_model') == (256, 8)  # its own response limit
   config.train.reward_model.max_prompt_len = 128
   with pytest.raises(ValueError, match=(
       r'config.train.reward_model.max_prompt_len=128: shorter than '
       r'config.judge.sampling.max_prompt_len=256')):
-    loop.validate(config)
+    runtime.validate(config)
   config = tiny.get_config()
   config.train.policy.max_response_len = 2
   with pytest.raises(ValueError, match=(
       r'config.train.policy.max_response_len=2: shorter than '
       r'config.rollout.sampling.max_new_tokens=4')):
-    loop.validate(config)
+    runtime.validate(config)
   config = tiny.get_config()
   config.curator.pending_max_tries = 0
   with pytest.raises(ValueError, match='curator.pending_max_tries=0'):
-    loop.validate(config)
+    runtime.validate(config)
 
 
 def test_base_config_uses_the_authors_stop_strings():
@@ -289,8 +298,8 @@ def test_base_config_uses_the_authors_stop_strings():
     assert '<|im_end|>' in section.sampling.stop_strings
     assert 'User:' in section.sampling.stop_strings
   # The base limits train on what was sampled (0 = the sampler's).
-  assert loop.train_limits(config, 'policy') == (2048, 2000)
-  assert loop.train_limits(config, 'reward_model') == (4096, 4000)
+  assert runtime.train_limits(config, 'policy') == (2048, 2000)
+  assert runtime.train_limits(config, 'reward_model') == (4096, 4000)
 
 
 # main with the policy's pi_old log-probs set to NaN in the first policy step

@@ -1,0 +1,172 @@
+"""One run's state between epochs (`Run`): built from a config, validated.
+
+`setup` loads the three models, builds both trainers, the environment and
+the task pool; `validate` rejects inconsistent configs naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from concurrent import futures
+import os
+from typing import Any
+
+import grain
+import jax
+from flax import nnx
+
+from rla_jax import curator
+from rla_jax import feedback
+from rla_jax import metrics
+from rla_jax import sharding
+from rla_jax import structs
+from rla_jax import train
+from rla_jax.models import loading
+
+KL_REFERENCES = ('pi_old', 'initial')
+# Which sampler section feeds which model's training data.
+_SAMPLED_BY = {'policy': 'rollout', 'reward_model': 'judge'}
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything one run holds between epochs (host side)."""
+
+  config: Any
+  workdir: str
+  mesh: Any
+  rules: tuple
+  env: Any
+  tokenizers: dict[str, Any]
+  graphdefs: dict[str, Any]
+  trainers: dict[str, train.Trainer]
+  states: dict[str, train.TrainState]
+  env_params: Any  # frozen environment-LLM parameters
+  ref_params: dict[str, Any]  # frozen KL references (kl_reference='initial')
+  pool: list[structs.Task]
+  order: Any  # grain iterator over slot indices (checkpointed position)
+  writer: metrics.Writer
+  executor: futures.ThreadPoolExecutor
+  chief: bool
+  saved_epoch: int = 0  # newest epoch with a committed checkpoint
+  eval_pending: bool = False  # its evaluation was skipped by a stop
+
+
+def train_limits(config, name: str) -> tuple[int, int]:
+  """(max_prompt_len, max_response_len) of model `name`'s training data.
+
+  0 in config.train.<name> means the limit of the sampler that produced the
+  data (rollout for the policy, judge for the RM), so by default nothing is
+  trained on a context it was not sampled from.
+  """
+  sampled = config[_SAMPLED_BY[name]].sampling
+  limits = config.train[name]
+  return (limits.max_prompt_len or sampled.max_prompt_len,
+          limits.max_response_len or sampled.max_new_tokens)
+
+
+def validate(config) -> None:
+  """Rejects inconsistent values with the config key that is wrong."""
+
+  def check(ok: bool, key: str, why: str):
+    if not ok:
+      raise ValueError(f'config.{key}={lookup(config, key)!r}: {why}')
+
+  check(config.loop.num_epochs >= 0, 'loop.num_epochs', 'must be >= 0')
+  check(config.rollout.num_tasks >= 1, 'rollout.num_tasks', 'must be >= 1')
+  check(config.rollout.group_size >= 1, 'rollout.group_size', 'must be >= 1')
+  check(config.judge.num_samples >= 1, 'judge.num_samples', 'must be >= 1')
+  check(0 <= config.curator.alpha_low < config.curator.alpha_high <= 1,
+        'curator.alpha_low', 'need 0 <= alpha_low < alpha_high <= 1')
+  check(config.curator.pending_max_tries >= 1, 'curator.pending_max_tries',
+        'must be >= 1 (epochs a rewrite may go without a measurement)')
+  check(config.feedback.singleton in ('raw', 'zero'), 'feedback.singleton',
+        "must be 'raw' or 'zero'")
+  check(config.feedback.policy_filter in feedback.POLICY_FILTERS,
+        'feedback.policy_filter', f'must be one of {feedback.POLICY_FILTERS}')
+  check(config.feedback.mode in feedback.MODES, 'feedback.mode',
+        f'must be one of {feedback.MODES}')
+  check(config.feedback.unit_test_reward in feedback.UNIT_TEST_REWARDS,
+        'feedback.unit_test_reward',
+        f'must be one of {feedback.UNIT_TEST_REWARDS}')
+  check(config.loop.checkpoint_every >= 1, 'loop.checkpoint_every',
+        'must be >= 1')
+  check(config.eval.max_turns >= 1, 'eval.max_turns', 'must be >= 1')
+  check(bool(config.eval.splits) or not config.eval.every, 'eval.splits',
+        'name at least one evaluation split (or set eval.every=0)')
+  trained = ('policy', 'reward_model') if config.loop.train_rm else (
+      'policy',)
+  for name in ('policy', 'reward_model'):
+    check(config.train[name].kl_reference in KL_REFERENCES,
+          f'train.{name}.kl_reference', f'must be one of {KL_REFERENCES}')
+    check(config.train[name].logprob_gap_warn >= 0,
+          f'train.{name}.logprob_gap_warn', 'must be >= 0')
+  for name in trained:
+    sampled = f'{_SAMPLED_BY[name]}.sampling'
+    prompt, response = train_limits(config, name)
+    for key, limit, sampler_key in (
+        ('max_prompt_len', prompt, 'max_prompt_len'),
+        ('max_response_len', response, 'max_new_tokens')):
+      have = lookup(config, f'{sampled}.{sampler_key}')
+      check(limit >= have, f'train.{name}.{key}',
+            f'shorter than config.{sampled}.{sampler_key}={have}: {name} '
+            'training would see cut contexts it never sampled from; raise '
+            'it (and its buckets) or set it to 0 (= the sampler\'s)')
+
+
+def lookup(config, key: str):
+  for part in key.split('.'):
+    config = config[part]
+  return config
+
+
+def make_env(config, workdir: str):
+  try:
+    module = importlib.import_module(f'rla_jax.envs.{config.env.name}')
+  except ModuleNotFoundError as e:
+    raise ValueError(f'config.env.name={config.env.name!r}: no module '
+                     f'rla_jax/envs/{config.env.name}.py ({e})') from e
+  return module, module.from_config(config.env, workdir)
+
+
+def setup(config, workdir: str) -> Run:
+  chief = jax.process_index() == 0
+  mesh = sharding.mesh_from_config(config.mesh)
+  rules = sharding.resolve_rules(config.mesh.rules)
+  env_module, env = make_env(config, workdir)
+  make_tokenizer = getattr(env_module, 'make_tokenizer', None)
+  graphdefs, params, tokenizers = {}, {}, {}
+  with sharding.use(mesh, rules):
+    for name in ('policy', 'reward_model', 'env_model'):
+      model, tokenizers[name] = loading.from_config(
+          config[name], name=name, mesh=mesh, rules=rules,
+          make_tokenizer=make_tokenizer)
+      graphdefs[name], state = nnx.split(model)
+      params[name] = nnx.to_pure_dict(state)
+  trainers, states, ref_params = {}, {}, {}
+  for name, kind in (('policy', train.POLICY), ('reward_model', train.REWARD)):
+    limits = config.train[name]
+    # 0 = the sampler's limit (train_limits); resolved once, so the written
+    # config.json and the trainer see the numbers in use.
+    limits.max_prompt_len, limits.max_response_len = train_limits(config,
+                                                                  name)
+    trainers[name] = train.Trainer(graphdefs[name], config.optim[name],
+                                   limits, mesh, rules, kind=kind)
+    if limits.kl_reference == 'initial':
+      # A frozen copy of the starting weights (one more copy of the model in
+      # memory). The train state's arrays are donated at every step, so the
+      # reference must not share buffers with them. On resume the weights are
+      # loaded from the same path again, so the reference is unchanged.
+      ref_params[name] = jax.tree.map(lambda x: x.copy(), params[name])
+    states[name] = trainers[name].init_state(params[name])
+  pool = curator.build_pool(env.tasks('train'))
+  order = iter(grain.MapDataset.range(len(pool)).shuffle(seed=config.seed)
+               .repeat().to_iter_dataset())
+  return Run(config=config, workdir=workdir, mesh=mesh, rules=rules, env=env,
+             tokenizers=tokenizers, graphdefs=graphdefs, trainers=trainers,
+             states=states, env_params=params['env_model'],
+             ref_params=ref_params, pool=pool, order=order,
+             writer=metrics.Writer(os.path.join(workdir, 'tb'), enabled=chief),
+             executor=futures.ThreadPoolExecutor(config.loop.env_threads),
+             chief=chief)
