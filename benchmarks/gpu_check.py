@@ -14,9 +14,14 @@ For each model (random weights, nothing downloaded):
     over the step time and the device's peak bf16 FLOP/s: MFU.
 
 Targets on an H200: decode >= 60% of HBM bandwidth, train >= 40% MFU.
+Each line also gives the host overhead of one call: the CPU time of the
+calling thread while the device works (Python, pytrees, dispatch, copies).
 
   python benchmarks/gpu_check.py                 # on the GPU, < 10 minutes
   python benchmarks/gpu_check.py --tiny          # CPU smoke run (tests)
+  python benchmarks/gpu_check.py --models=qwen2.5-0.5b --batch=8 --new=16 \
+      --dtype=float32 --train_dtype=float32 --train_batch=1 \
+      --train_len=256   # host overhead of a 0.5B model on a CPU
 
 Peak numbers come from --peak_tflops / --peak_gbps, else from the device
 kind (H200: 989 TFLOP/s dense bf16, 4800 GB/s). The last line is
@@ -69,12 +74,25 @@ def param_count(config, embedding=True) -> int:
 
 def timed(fn, repeats):
   """Best of `repeats` wall times (the least disturbed run)."""
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
+  return min(_wall_and_host(fn) for _ in range(repeats))[0]
+
+
+def _wall_and_host(fn) -> tuple[float, float]:
+  """(wall seconds, seconds of this thread's CPU) of one call.
+
+  The device work runs on XLA's threads (or the accelerator) while this
+  thread waits, so its CPU time is the host overhead of the call: Python,
+  pytree handling, dispatch, transfers and host-side post-processing.
+  """
+  wall, host = time.perf_counter(), time.thread_time()
+  fn()
+  return time.perf_counter() - wall, time.thread_time() - host
+
+
+def host_ms(fn, repeats) -> float:
+  """Median host overhead of a call in milliseconds (see _wall_and_host)."""
+  return 1e3 * float(np.median([_wall_and_host(fn)[1]
+                                for _ in range(repeats)]))
 
 
 def decode_check(name, args, peak_gbps):
@@ -94,6 +112,7 @@ def decode_check(name, args, peak_gbps):
   compile_s = time.perf_counter() - start
   t1 = timed(lambda: call(1), args.repeats)
   tn = timed(lambda: call(args.new), args.repeats)
+  host = host_ms(lambda: call(args.new), args.repeats)
   step_s = max(tn - t1, 1e-9) / (args.new - 1)
   itemsize = jax.numpy.dtype(config.dtype).itemsize
   kv_per_slot = (2 * config.num_layers * config.num_kv_heads
@@ -107,8 +126,8 @@ def decode_check(name, args, peak_gbps):
         f'{args.new} new ({config.dtype} weights): {step_s * 1e3:.2f} ms/step'
         f' = {args.batch / step_s:,.0f} tok/s; {step_bytes / 1e9:.2f} GB per '
         f'step -> {gbps:,.0f} GB/s = {fraction:.1%} of HBM bandwidth '
-        f'(prefill+1 step {t1 * 1e3:.0f} ms; compile {compile_s:.0f} s)',
-        flush=True)
+        f'(prefill+1 step {t1 * 1e3:.0f} ms; host {host:.1f} ms per call of '
+        f'{tn * 1e3:.0f} ms; compile {compile_s:.0f} s)', flush=True)
   return fraction
 
 
@@ -159,6 +178,7 @@ def train_check(name, args, peak_tflops):
     jax.block_until_ready(step_metrics)
 
   step_s = timed(step, args.repeats)
+  host = host_ms(step, args.repeats)
   tokens = args.train_batch * args.train_len
   c = config
   attention_flops = (12 * c.num_layers * args.train_batch * args.train_len**2
@@ -171,8 +191,8 @@ def train_check(name, args, peak_tflops):
   print(f'{name} train: {args.train_batch} x {args.train_len} tokens, '
         f'{config.dtype}, remat={args.remat}: {step_s * 1e3:.0f} ms/step = {tokens / step_s:,.0f}'
         f' tok/s; {flops / 1e12:.1f} TFLOP -> {tflops:.0f} TFLOP/s = '
-        f'{mfu:.1%} MFU (compile + first step {compile_s:.0f} s, loss '
-        f'{float(metrics["loss"]):.4f})', flush=True)
+        f'{mfu:.1%} MFU (host {host:.1f} ms per step; compile + first step '
+        f'{compile_s:.0f} s, loss {float(metrics["loss"]):.4f})', flush=True)
   return mfu
 
 

@@ -59,16 +59,10 @@ def get_config(arg: str = 'full'):
   config.curator.sampling.update(max_new_tokens=40, **buckets)
   for name in ('policy', 'reward_model'):
     config.optim[name].learning_rate = 2e-6
-    # One sequence per micro-batch: a backward pass over a 1040-token
-    # sequence holds ~5 GB of activations (mostly the [heads, T, T] attention
-    # probabilities of 30 layers); 4 per micro-batch needed ~20 GB. `remat`
-    # does not help here: XLA:CPU expands jax.checkpoint's optimization
-    # barrier and CSE merges the recomputation back into the forward pass
-    # (it does cut memory on GPU and TPU).
     config.train[name].update(
         updates_per_epoch=2, micro_batch_size=1, max_prompt_len=1024,
         max_response_len=16, prompt_buckets=(256, 512, 1024),
-        response_buckets=(16,), head_chunk=64, remat=False)
+        response_buckets=(16,), head_chunk=64, remat='none')
   config.eval.update(every=2, num_tasks=8, group_size=1, max_turns=6)
   config.eval.sampling.update(temperature=0.0, max_new_tokens=12,
                               stop_strings=('}',), **buckets)

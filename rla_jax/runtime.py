@@ -23,6 +23,7 @@ from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
 from rla_jax.models import loading
+from rla_jax.models import transformer
 
 KL_REFERENCES = ('pi_old', 'initial')
 # Which sampler section feeds which model's training data.
@@ -102,6 +103,9 @@ def validate(config) -> None:
           f'train.{name}.kl_reference', f'must be one of {KL_REFERENCES}')
     check(config.train[name].logprob_gap_warn >= 0,
           f'train.{name}.logprob_gap_warn', 'must be >= 0')
+    check(config.train[name].remat in transformer.REMAT_POLICIES,
+          f'train.{name}.remat',
+          f'must be one of {transformer.REMAT_POLICIES}')
   for name in trained:
     sampled = f'{_SAMPLED_BY[name]}.sampling'
     prompt, response = train_limits(config, name)
