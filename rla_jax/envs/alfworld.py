@@ -480,5 +480,4 @@ def from_config(env_config, workdir: str) -> AlfWorldEnv:
       max_critiques=env_config.max_critiques)
 
 
-
 make_tokenizer = prompts.make_tokenizer  # random models (the loop)

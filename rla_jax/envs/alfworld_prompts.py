@@ -16,6 +16,7 @@ from rla_jax import boxed
 from rla_jax import structs
 from rla_jax.envs import alfworld_games as games
 from rla_jax.envs import alfworld_rewrite as rewriting
+from rla_jax.envs import tiny
 
 SYSTEM = 'You are a helpful assistant.'
 GUIDE = (
@@ -93,13 +94,6 @@ def options(commands: Sequence[str]) -> str:
   return f'{CHOOSE}\n{listed}\n'
 
 
-SPECIALS = ('<pad>', '<s>', '</s>', '<unk>', '<|system|>', '<|user|>',
-            '<|assistant|>')
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
-    '{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}')
-
-
 def make_tokenizer():
   """A word-level tokenizer over ALFWorld's words, for random models.
 
@@ -109,8 +103,6 @@ def make_tokenizer():
   single tokens.
   """
   import string  # pylint: disable=g-import-not-at-top
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
   from rla_jax import curator  # pylint: disable=g-import-not-at-top
   constants, _ = games.alfworld_modules()
   with open(games.package_file('data', 'alfred.twl2')) as f:
@@ -123,16 +115,5 @@ def make_tokenizer():
   words |= {w for t in types for w in (t, t.lower(), t + 'Type')}
   chars = [c for c in string.printable if c not in '\x0b\x0c\r']
   words = sorted(words)
-  vocab = {t: i for i, t in enumerate(SPECIALS + tuple(dict.fromkeys(
-      chars + words + [' ' + w for w in words])))}
-  tok = tokenizers.Tokenizer(
-      tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(
-      tokenizers.Regex(r' ?[A-Za-z]+|.|\n'), behavior='isolated')
-  tok.decoder = tokenizers.decoders.Fuse()
-  fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, pad_token='<pad>', bos_token='<s>',
-      eos_token='</s>', unk_token='<unk>',
-      additional_special_tokens=list(SPECIALS[4:]))
-  fast.chat_template = CHAT_TEMPLATE
-  return fast
+  return tiny.make_tokenizer(chars + words + [' ' + w for w in words],
+                             split=r' ?[A-Za-z]+|.|\n')

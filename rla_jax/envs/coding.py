@@ -24,6 +24,7 @@ from rla_jax.envs import base
 from rla_jax.envs import coding_data
 from rla_jax.envs import coding_rewrite
 from rla_jax.envs import sandbox
+from rla_jax.envs import tiny
 
 POLICY_PROMPT = (
     'Solve the following programming problem in Python 3. First think about '
@@ -73,29 +74,11 @@ _OUTPUT_MARKER = re.compile(_MARKER % 'output', re.IGNORECASE)
 _END_MARKER = re.compile(r'\*{0,2}[ \t]*explanation[ \t]*:?', re.IGNORECASE)
 ALPHABET = string.printable.replace('\x0b', '').replace('\x0c', '').replace(
     '\r', '')
-SPECIALS = ('<pad>', '<s>', '</s>', '<unk>', '<|system|>', '<|user|>',
-            '<|assistant|>')
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
-    '{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}')
 
 
 def make_tokenizer():
   """A character-level tokenizer over printable ASCII, for random models."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  vocab = {t: i for i, t in enumerate(SPECIALS + tuple(ALPHABET))}
-  tok = tokenizers.Tokenizer(
-      tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(
-      tokenizers.Regex(r'.|\n'), behavior='isolated')
-  tok.decoder = tokenizers.decoders.Fuse()
-  fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, pad_token='<pad>', bos_token='<s>',
-      eos_token='</s>', unk_token='<unk>',
-      additional_special_tokens=list(SPECIALS[4:]))
-  fast.chat_template = CHAT_TEMPLATE
-  return fast
+  return tiny.make_tokenizer(tuple(ALPHABET))
 
 
 # Parsing model answers.

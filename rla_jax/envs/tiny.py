@@ -36,15 +36,21 @@ CHAT_TEMPLATE = (
     '{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}')
 
 
-def make_tokenizer():
-  """A character-level tokenizer (one id per ALPHABET char) with a chat template."""
+def make_tokenizer(tokens: Sequence[str] = tuple(ALPHABET),
+                   split: str = r'.|\n'):
+  """A word-level tokenizer for random models, with a chat template.
+
+  One id per SPECIALS entry, then one per distinct entry of `tokens`
+  (ALPHABET: character level); text is split into pieces by the regex
+  `split`, and a piece not in `tokens` is <unk>.
+  """
   import tokenizers  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  vocab = {t: i for i, t in enumerate(SPECIALS + tuple(ALPHABET))}
+  vocab = {t: i for i, t in enumerate(dict.fromkeys(SPECIALS + tuple(tokens)))}
   tok = tokenizers.Tokenizer(
       tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(
-      tokenizers.Regex(r'.|\n'), behavior='isolated')
+      tokenizers.Regex(split), behavior='isolated')
   tok.decoder = tokenizers.decoders.Fuse()
   fast = transformers.PreTrainedTokenizerFast(
       tokenizer_object=tok, pad_token='<pad>', bos_token='<s>',
