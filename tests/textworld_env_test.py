@@ -13,6 +13,7 @@ from rla_jax import structs
 from rla_jax import truncation
 from rla_jax.envs import base
 from rla_jax.envs import textworld as tw
+from rla_jax.envs import textworld_text as twtext
 
 try:
   import textworld  # pylint: disable=unused-import
@@ -29,7 +30,7 @@ EASY = {'id': 'easy', 'root_id': 'easy', 'seed': 7, 'nb_rooms': 1,
         'nb_objects': 2, 'quest_length': 1}
 TWO = {'id': 'two', 'root_id': 'two', 'seed': 3, 'nb_rooms': 2,
        'nb_objects': 3, 'quest_length': 2}
-OBS = tw.render_observation('-= Kitchen =-\nA fridge.',
+OBS = twtext.render_observation('-= Kitchen =-\nA fridge.',
                             ['go north', 'look', 'take apple',
                              'take apple from fridge'])
 
@@ -59,11 +60,11 @@ def fake_generate(completions):
 
 
 def test_observation_round_trip():
-  text, commands = tw.split_observation(OBS)
+  text, commands = twtext.split_observation(OBS)
   assert text == '-= Kitchen =-\nA fridge.'
   assert commands == ['go north', 'look', 'take apple',
                       'take apple from fridge']
-  assert tw.split_observation('no list here') == ('no list here', [])
+  assert twtext.split_observation('no list here') == ('no list here', [])
 
 
 @pytest.mark.parametrize('text,want', [
@@ -81,15 +82,15 @@ def test_observation_round_trip():
     ('', ('go north', False)),
 ])
 def test_choose(text, want):
-  assert tw.choose(text, tw.split_observation(OBS)[1]) == want
+  assert twtext.choose(text, twtext.split_observation(OBS)[1]) == want
 
 
 def test_choose_prefers_an_exact_action_text_over_its_digits():
   commands = ['look', 'open safe', 'take type 3 keycard']
-  assert tw.choose('\\boxed{take type 3 keycard}', commands) == (
+  assert twtext.choose('\\boxed{take type 3 keycard}', commands) == (
       'take type 3 keycard', True)
-  assert tw.choose('\\boxed{3}', commands) == ('take type 3 keycard', True)
-  assert tw.choose('\\boxed{2}', commands) == ('open safe', True)
+  assert twtext.choose('\\boxed{3}', commands) == ('take type 3 keycard', True)
+  assert twtext.choose('\\boxed{2}', commands) == ('open safe', True)
 
 
 def test_parse_action_adds_the_answer_prefix(tmp_path):
@@ -102,13 +103,13 @@ def test_parse_action_adds_the_answer_prefix(tmp_path):
 
 def test_parse_knobs_and_checks(tmp_path):
   env = tw.TextWorldEnv(str(tmp_path), max_knobs=(6, 12, 6))
-  assert tw.parse_knobs('so \\boxed{2, 4, 3}') == (2, 4, 3)
-  assert tw.parse_knobs('\\boxed{rooms=2, objects=4, quest_length=3}') == (
+  assert twtext.parse_knobs('so \\boxed{2, 4, 3}') == (2, 4, 3)
+  assert twtext.parse_knobs('\\boxed{rooms=2, objects=4, quest_length=3}') == (
       2, 4, 3)
-  assert tw.parse_knobs('\\boxed{2, 4}') is None
-  assert tw.parse_knobs('I pick (2, 4, 3).') == (2, 4, 3)  # box dropped
-  assert tw.parse_knobs('1,2,3,4,5') is None
-  assert tw.parse_knobs('no numbers') is None
+  assert twtext.parse_knobs('\\boxed{2, 4}') is None
+  assert twtext.parse_knobs('I pick (2, 4, 3).') == (2, 4, 3)  # box dropped
+  assert twtext.parse_knobs('1,2,3,4,5') is None
+  assert twtext.parse_knobs('no numbers') is None
   assert env.check_knobs((2, 4, 2), (2, 5, 3), structs.HARDER) is None
   assert env.check_knobs((2, 4, 2), (1, 5, 3), structs.HARDER) == (
       'wrong direction')
@@ -143,7 +144,7 @@ def test_tasks_are_deterministic_and_mixed(tmp_path):
 def test_clean_text_drops_status_line_and_menu():
   raw = ('\nYou unlock the box.\n\n\n\n      *** The End ***\n\nWould you '
          'like to RESTART, RESTORE a saved game?\n>      -= Room =-0/3')
-  assert tw.clean_text(raw) == 'You unlock the box.\n\n*** The End ***'
+  assert twtext.clean_text(raw) == 'You unlock the box.\n\n*** The End ***'
 
 
 def test_judge_messages(tmp_path):
@@ -220,7 +221,7 @@ def test_generation_is_deterministic_and_cached(env, tmp_path):
 def test_walkthrough_wins(env):
   episode = env.make_episode(TWO, seed=0, max_turns=env.max_turns)
   obs = episode.reset()
-  commands = tw.split_observation(obs)[1]
+  commands = twtext.split_observation(obs)[1]
   walkthrough = env.game(TWO)['walkthrough']
   assert len(walkthrough) == 2 and walkthrough[0] in commands
   results = [episode.step(c) for c in walkthrough]
@@ -267,9 +268,9 @@ def test_policy_messages(env):
   assert [m['role'] for m in messages] == ['user', 'assistant']
   assert messages[1]['content'] == 'The best action is \\boxed{'
   content = messages[0]['content']
-  assert tw.clean_text(env.game(TWO)['objective']) in content
+  assert twtext.clean_text(env.game(TWO)['objective']) in content
   assert f'Action: {action}' in content
-  assert content.count(tw.split_observation(first)[0]) == 1  # history text
+  assert content.count(twtext.split_observation(first)[0]) == 1  # history text
   assert content.count('Admissible actions:') == 1  # only the current list
   # The history is the part a too-long prompt may lose; the task, the
   # current observation and the instruction are not.
@@ -277,7 +278,7 @@ def test_policy_messages(env):
                     content.index(truncation.CUT_END)]
   assert f'Action: {action}' in history and 'Task:' not in history
   assert 'Current observation' not in history
-  for i, command in enumerate(tw.split_observation(second)[1], 1):
+  for i, command in enumerate(twtext.split_observation(second)[1], 1):
     assert f'{i}. {command}' in content
   assert 'chosen action inside \\boxed{}, exactly as listed' in content
   assert 'for example' not in content  # SmolLM2 copies example answers
@@ -290,7 +291,7 @@ def test_policy_messages(env):
       TWO, [(first, action)], second)[0]['content']
   env.max_history = 4
   # What the policy answers in that prompt maps back to an admissible action.
-  assert env.parse_action('1}', second) == tw.split_observation(second)[1][0]
+  assert env.parse_action('1}', second) == twtext.split_observation(second)[1][0]
 
 
 @needs_textworld

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -24,6 +23,7 @@ import numpy as np
 from rla_jax import structs
 from rla_jax import truncation
 from rla_jax.envs import base
+from rla_jax.envs import textworld_text as twtext
 
 KNOBS = ('nb_rooms', 'nb_objects', 'quest_length')
 # Bump when generation changes, so cached games of the old scheme are not used.
@@ -33,11 +33,6 @@ _GEN_VERSION = 1
 # in tatsu), so generation, compilation and loading take this lock; stepping
 # a loaded game does not.
 _TEXTWORLD_LOCK = threading.RLock()
-_ACTIONS_HEADER = 'Admissible actions:'
-_BOXED = re.compile(r'\\boxed\{([^{}]*)(?:\}|$)')
-_NUMBERED = re.compile(r'^(\d+)\. (.+)$')
-_TRIPLE = re.compile(
-    r'(?<![\d,])(?<!\d, )(\d+) ?, ?(\d+) ?, ?(\d+)(?! ?, ?\d)(?!\d)')
 _INSTRUCTIONS = {
     'index': 'give the number of the chosen action in \\boxed{}.',
     'text': 'write the chosen action inside \\boxed{}, exactly as listed.',
@@ -69,98 +64,6 @@ def game_key(spec: dict[str, Any]) -> str:
   return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def clean_text(text: str) -> str:
-  """Drops the banner's status line, the input prompt and the restart menu."""
-  text = text.split('Would you like to RESTART')[0]
-  lines = [l.strip() for l in text.split('\n') if not l.startswith('>')]
-  text = '\n'.join(lines)
-  return re.sub(r'\n{3,}', '\n\n', text).strip()
-
-
-def render_observation(text: str, commands: Sequence[str]) -> str:
-  """An observation as the policy sees it: text, then the numbered actions."""
-  if not commands:
-    return text
-  listed = '\n'.join(f'{i}. {c}' for i, c in enumerate(commands, 1))
-  return f'{text}\n\n{_ACTIONS_HEADER}\n{listed}'
-
-
-def split_observation(observation: str) -> tuple[str, list[str]]:
-  """Inverse of render_observation: (text, admissible commands)."""
-  text, sep, rest = observation.rpartition(f'\n\n{_ACTIONS_HEADER}\n')
-  if not sep:
-    return observation, []
-  commands = []
-  for line in rest.split('\n'):
-    match = _NUMBERED.match(line.strip())
-    if not match or int(match.group(1)) != len(commands) + 1:
-      break
-    commands.append(match.group(2).strip())
-  return text, commands
-
-
-def last_boxed(text: str) -> str | None:
-  """Content of the last \\boxed{...} (an unclosed one at the end counts)."""
-  found = _BOXED.findall(text)
-  return found[-1] if found else None
-
-
-def _normalize(text: str) -> str:
-  return ' '.join(text.strip().strip('"\'.!').lower().split())
-
-
-def choose(text: str, commands: Sequence[str]) -> tuple[str, bool]:
-  """The command `text` picks and whether it was understood.
-
-  Order: the last \\boxed{} holding exactly a command's text; else its first
-  integer as a 1-based index; else the admissible command whose text occurs
-  last in `text` (the longer one on a tie); else the first command with
-  ok=False. An index out of range is not understood (the authors clamp it).
-  """
-  if not commands:
-    return 'look', False
-  boxed = last_boxed(text)
-  if boxed is not None:
-    exact = [c for c in commands if _normalize(c) == _normalize(boxed)]
-    if exact:
-      return exact[0], True
-    number = re.search(r'\d+', boxed)
-    if number and 1 <= int(number.group()) <= len(commands):
-      return commands[int(number.group()) - 1], True
-  best, best_rank = None, None
-  for command in commands:
-    pattern = r'(?<!\w)' + re.escape(command) + r'(?!\w)'
-    starts = [m.start() for m in re.finditer(pattern, text, re.IGNORECASE)]
-    if starts and (best_rank is None or (starts[-1], len(command)) > best_rank):
-      best, best_rank = command, (starts[-1], len(command))
-  if best is not None:
-    return best, True
-  return commands[0], False
-
-
-def parse_knobs(text: str) -> tuple[int, int, int] | None:
-  """(rooms, objects, quest_length) from the last \\boxed{}.
-
-  The box must hold exactly three integers. Without a box, the last bare
-  'a, b, c' triple (not part of a longer list) is used: small models often
-  drop the box.
-  """
-  boxed = last_boxed(text)
-  if boxed is None:
-    triples = _TRIPLE.findall(text)
-    return tuple(int(n) for n in triples[-1]) if triples else None
-  numbers = re.findall(r'-?\d+', boxed)
-  if len(numbers) != 3:
-    return None
-  return tuple(int(n) for n in numbers)
-
-
-def _strip_chat_markup(text: str) -> str:
-  """Turns ChatML markers into plain labels, so they do not open turns."""
-  text = re.sub(r'<\|im_start\|>(\w+)\n?', r'[\1]\n', text)
-  return text.replace('<|im_end|>', '').strip()
-
-
 class TextWorldEpisode:
   """One play-through of a compiled game; owns its own TextWorld env.
 
@@ -190,7 +93,7 @@ class TextWorldEpisode:
     self._turn, self._done = 0, False
     self._plan_len = len(state.policy_commands or ())
     self.info = {'step_labels': []}
-    return render_observation(clean_text(state.description),
+    return twtext.render_observation(twtext.clean_text(state.description),
                               state.admissible_commands)
 
   def step(self, action: str) -> tuple[str, bool, float | None]:
@@ -202,11 +105,12 @@ class TextWorldEpisode:
     progressed = state.won or plan_len < self._plan_len
     self.info['step_labels'].append(1 if progressed else -1)
     self._plan_len = plan_len
-    text = clean_text(state.feedback)
+    text = twtext.clean_text(state.feedback)
     if state.won or state.lost or self._turn >= self._max_turns:
       self._done = True
       return text, True, 1.0 if state.won else -1.0
-    return render_observation(text, state.admissible_commands), False, None
+    observation = twtext.render_observation(text, state.admissible_commands)
+    return observation, False, None
 
   def close(self) -> None:
     if self._env is not None:
@@ -386,7 +290,7 @@ class TextWorldEnv:
                       observation: str) -> list[dict[str, str]]:
     lines = ['You are playing a text adventure game. Complete the task in '
              'as few actions as possible.', '',
-             f'Task: {clean_text(self.game(spec)["objective"])}', '']
+             f'Task: {twtext.clean_text(self.game(spec)["objective"])}', '']
     shown = list(turns)
     if self.max_history is not None:
       shown = shown[len(shown) - self.max_history:] if self.max_history else []
@@ -396,7 +300,7 @@ class TextWorldEnv:
         lines.append(f'({len(turns) - len(shown)} earlier steps omitted)')
       # The history may lose its oldest tokens when the prompt is too long.
       lines.append(truncation.cuttable('\n'.join(
-          f'Observation: {split_observation(old_observation)[0]}\n'
+          f'Observation: {twtext.split_observation(old_observation)[0]}\n'
           f'Action: {action}' for old_observation, action in shown)))
       lines.append('')
     lines.append(f'Current observation:\n{observation}')
@@ -419,7 +323,7 @@ class TextWorldEnv:
     `response` may be the continuation of the answer prefix or include it.
     """
     text = self._with_prefix(response, self.answer_prefix)
-    return choose(text, split_observation(observation)[1])
+    return twtext.choose(text, twtext.split_observation(observation)[1])
 
   def parse_action(self, response: str, observation: str) -> str:
     return self.parse_action_checked(response, observation)[0]
@@ -428,12 +332,12 @@ class TextWorldEnv:
                      response: str,
                      next_observation: str) -> list[dict[str, str]]:
     del spec  # the policy prompt already holds the task
-    prompt = _strip_chat_markup(policy_prompt)
+    prompt = twtext.strip_chat_markup(policy_prompt)
     if self.answer_prefix and prompt.endswith(self.answer_prefix):
       prompt = prompt[:-len(self.answer_prefix)].rstrip()
     prompt = prompt.removesuffix('[assistant]').rstrip()
     full = self._with_prefix(response, self.answer_prefix)
-    action, ok = choose(full, split_observation(prompt)[1])
+    action, ok = twtext.choose(full, twtext.split_observation(prompt)[1])
     executed = action if ok else (f'{action} (the response chose no listed '
                                   'action, so the first one was executed)')
     content = '\n'.join([
@@ -463,7 +367,7 @@ class TextWorldEnv:
 
   def describe(self, spec: dict[str, Any]) -> str:
     rooms, objects, quest = knobs(spec)
-    objective = clean_text(self.game(spec)['objective'])
+    objective = twtext.clean_text(self.game(spec)['objective'])
     return (f'A TextWorld game with {rooms} rooms, {objects} objects and a '
             f'{quest}-step quest. Objective: {objective}')
 
@@ -488,7 +392,7 @@ class TextWorldEnv:
             max_rooms, max_objects, max_quest), '',
         f'Current game: {rooms} rooms, {objects} objects, quest_length '
         f'{quest}, written as \\boxed{{{rooms}, {objects}, {quest}}}.',
-        f'Its objective: {clean_text(self.game(spec)["objective"])}',
+        f'Its objective: {twtext.clean_text(self.game(spec)["objective"])}',
     ]
     lines.append(f'The agent won {acc:.0%} of its attempts.')
     lines += ['', 'Why the agent failed (critic summaries):']
@@ -539,9 +443,9 @@ class TextWorldEnv:
     reasons, tried = [], set()
     for completion in completions:
       text = completion
-      if last_boxed(text) is None:
+      if twtext.last_boxed(text) is None:
         text = self.rewrite_prefix + completion
-      new = parse_knobs(text)
+      new = twtext.parse_knobs(text)
       reason = 'unparseable' if new is None else self.check_knobs(
           old, new, direction)
       if reason is None and new in tried:
