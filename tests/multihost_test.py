@@ -16,7 +16,12 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ('--config.loop.num_epochs=2', '--config.eval.every=0')
+# Two turns and one update per model keep the run short: every decode step's
+# collectives cross the processes over TCP.
+FLAGS = ('--config.loop.num_epochs=2', '--config.eval.every=0',
+         '--config.env.max_turns=2',
+         '--config.train.policy.updates_per_epoch=1',
+         '--config.train.reward_model.updates_per_epoch=1')
 
 
 def _local(workdir, *flags, **popen):

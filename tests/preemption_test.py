@@ -163,6 +163,8 @@ import json, os, signal, sys
 from configs import tiny
 from rla_jax import checkpoint, judge, loop, preemption, rollout, train
 point, workdir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+# What the run must put back (SIG_IGN under nohup or a background job).
+handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
 config = tiny.get_config()
 config.loop.num_epochs = 2
 config.loop.update(overrides)
@@ -189,7 +191,8 @@ if point != 'none':
       eval_pending=meta['eval_pending'], pool=len(meta['pool']),
       pool_jsonl=len(open(os.path.join(workdir, 'pool.jsonl')).readlines()),
       tmp=[f for f in os.listdir(ckpt.directory) if 'tmp' in f],
-      handler=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+      handler=[signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+      == handlers,
       lock=open(os.path.join(workdir, 'run.lock')).read())), flush=True)
 loop.run(config, workdir)
 """
@@ -249,7 +252,7 @@ def test_sigterm_stops_cleanly_and_the_rerun_matches(uninterrupted, tmp_path,
   assert state['eval_pending'] == (point == 'policy_update')
   assert state['tmp'] == [] and state['lock'] == ''
   assert state['pool_jsonl'] == state['pool']
-  assert state['handler']  # Python's own handlers are back
+  assert state['handler']  # the handlers from before the run are back
   assert f'resumed from epoch {kept} checkpoint' in rerun
   assert _outcome(workdir) == uninterrupted
 
