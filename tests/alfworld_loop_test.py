@@ -114,6 +114,7 @@ def _run(workdir, num_epochs, monkeypatch):
   return loop.run(config, workdir)
 
 
+@pytest.mark.slow
 def test_two_epochs_train_both_models_rewrite_and_resume(tmp_path,
                                                           monkeypatch):
   workdir = str(tmp_path / 'run')
@@ -148,6 +149,7 @@ def test_two_epochs_train_both_models_rewrite_and_resume(tmp_path,
   assert accepted and all(t.active.get('goal') for t in accepted)
 
 
+@pytest.mark.slow
 def test_smoke_command_runs_with_kv_sessions(tmp_path):
   env = dict(os.environ, XLA_FLAGS='')
   proc = subprocess.run(

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,6 +21,7 @@ def _run(script, *flags):
   return proc.stdout
 
 
+@pytest.mark.slow
 def test_memory_plan_tiny():
   out = _run('memory_plan.py', '--tiny')
   # One row per program, each with the per-device numbers and headroom.
@@ -34,6 +37,7 @@ def test_memory_plan_tiny():
   assert 0.5 < worst < 1.0
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_on_cpu():
   out = _run('gpu_check.py', '--tiny')
   assert re.search(r'tiny decode: batch 4, .* tok/s.*host [\d.]+ ms per '

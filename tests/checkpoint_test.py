@@ -74,6 +74,7 @@ def _damage(path):
     f.write('{"truncated')
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_and_is_moved_aside(finished,
                                                                 tmp_path):
   workdir, ckpts = _copy(finished, tmp_path)
@@ -95,6 +96,7 @@ def test_damaged_newest_checkpoint_falls_back_and_is_moved_aside(finished,
   assert _final(workdir) == finished[1]
 
 
+@pytest.mark.slow
 def test_no_restorable_checkpoint_stops_naming_the_folder(finished, tmp_path):
   workdir, ckpts = _copy(finished, tmp_path)
   for epoch in ('1', '2'):
@@ -106,6 +108,7 @@ def test_no_restorable_checkpoint_stops_naming_the_folder(finished, tmp_path):
   assert sorted(os.listdir(ckpts)) == ['1', '2']  # nothing moved
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(finished,
                                                                tmp_path):
   workdir, ckpts = _copy(finished, tmp_path)

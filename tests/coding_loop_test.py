@@ -97,6 +97,7 @@ def _run(workdir, num_epochs, monkeypatch):
   return loop.run(config, workdir)
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_two_epochs_train_both_models_rewrite_and_resume(tmp_path,
                                                           monkeypatch):
@@ -122,6 +123,7 @@ def test_two_epochs_train_both_models_rewrite_and_resume(tmp_path,
   assert {e['reason'] for e in decided} <= {'accepted', 'rejected'}
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_smoke_command_runs(tmp_path):
   env = dict(os.environ, XLA_FLAGS='')

@@ -59,6 +59,7 @@ def two_epochs(tmp_path_factory):
   return workdir, config, last
 
 
+@pytest.mark.slow
 def test_two_epochs_write_events_pool_and_checkpoint(two_epochs):
   workdir, _, last = two_epochs
   assert _events(workdir)
@@ -77,6 +78,7 @@ def test_two_epochs_write_events_pool_and_checkpoint(two_epochs):
     assert json.load(f)['loop']['num_epochs'] == 2
 
 
+@pytest.mark.slow
 def test_rewrites_are_requested_and_judged(two_epochs):
   workdir, _, _ = two_epochs
   rows = _scalars(workdir)
@@ -92,6 +94,7 @@ def test_rewrites_are_requested_and_judged(two_epochs):
                                                              'easier')
 
 
+@pytest.mark.slow
 def test_second_invocation_resumes_at_epoch_three(two_epochs, tmp_path):
   workdir, _, _ = two_epochs
   proc = _main(workdir, '--config.loop.num_epochs=3')
@@ -111,6 +114,7 @@ def test_second_invocation_resumes_at_epoch_three(two_epochs, tmp_path):
   assert os.path.exists(os.path.join(workdir, 'report.png'))
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_resumes_with_same_pool_and_step(tmp_path):
   workdir = str(tmp_path / 'killed')
   proc = _main(workdir, '--config.loop.num_epochs=1')
@@ -137,6 +141,7 @@ def test_sigkill_mid_epoch_resumes_with_same_pool_and_step(tmp_path):
   assert ckpt.latest_epoch() == 2
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_config_fails_clearly(two_epochs):
   workdir, _, _ = two_epochs
   config = tiny.get_config()
@@ -206,6 +211,7 @@ def one_try_run(tmp_path_factory):
   return workdir, seeds
 
 
+@pytest.mark.slow
 def test_rewrites_are_measured_in_the_epoch_after_they_are_made(one_try_run):
   # Judging pending rewrites before they were rolled out made every one of
   # them 'unmeasured' with pending_max_tries=1 (and nothing was ever accepted).
@@ -221,12 +227,14 @@ def test_rewrites_are_measured_in_the_epoch_after_they_are_made(one_try_run):
   assert all(r['curator/undecided'] == 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_every_environment_llm_call_draws_its_own_stream(one_try_run):
   _, seeds = one_try_run
   assert len(seeds) >= 2
   assert len(set(seeds)) == len(seeds)
 
 
+@pytest.mark.slow
 def test_disabled_curator_discards_pending_rewrites(tmp_path):
   workdir = str(tmp_path)
   config = tiny.get_config()
@@ -250,6 +258,7 @@ def test_disabled_curator_discards_pending_rewrites(tmp_path):
   assert last['rollout/trajectories'] == 16
 
 
+@pytest.mark.slow
 def test_initial_kl_reference_stays_frozen(tmp_path):
   config = tiny.get_config()
   config.train.policy.kl_reference = 'initial'
@@ -333,6 +342,7 @@ def _nan_main(workdir, mode, *flags):
                         check=False)
 
 
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_counted_and_logged(tmp_path):
   workdir = str(tmp_path)
   proc = _nan_main(workdir, 'first')
@@ -351,6 +361,7 @@ def test_non_finite_step_is_skipped_counted_and_logged(tmp_path):
                       for k in keys), keys
 
 
+@pytest.mark.slow
 def test_non_finite_steps_in_a_row_stop_the_run_across_a_resume(tmp_path):
   workdir = str(tmp_path)
   limit = '--config.train.policy.max_nonfinite_steps=3'

@@ -236,6 +236,7 @@ POINTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('point', list(POINTS))
 def test_sigterm_stops_cleanly_and_the_rerun_matches(uninterrupted, tmp_path,
                                                      point):
@@ -257,6 +258,7 @@ def test_sigterm_stops_cleanly_and_the_rerun_matches(uninterrupted, tmp_path,
   assert _outcome(workdir) == uninterrupted
 
 
+@pytest.mark.slow
 def test_sigterm_from_outside_exits_zero_within_the_grace_period(tmp_path):
   """The real thing: main in a subprocess, SIGTERM while the policy trains."""
   workdir = str(tmp_path)
