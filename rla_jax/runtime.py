@@ -103,9 +103,8 @@ def validate(config) -> None:
           f'train.{name}.kl_reference', f'must be one of {KL_REFERENCES}')
     check(config.train[name].logprob_gap_warn >= 0,
           f'train.{name}.logprob_gap_warn', 'must be >= 0')
-    check(config.train[name].remat in transformer.REMAT_POLICIES,
-          f'train.{name}.remat',
-          f'must be one of {transformer.REMAT_POLICIES}')
+    transformer.check_remat(config.train[name].remat,
+                            f'config.train.{name}.remat')
   for name in trained:
     sampled = f'{_SAMPLED_BY[name]}.sampling'
     prompt, response = train_limits(config, name)

@@ -13,6 +13,7 @@ from rla_jax.envs import alfworld_games as games
 from rla_jax.envs import alfworld_play as play
 from rla_jax.envs import alfworld_rewrite as rewriting
 from rla_jax.envs import base
+from conftest import fake_generate  # pylint: disable=g-bad-import-order
 
 pytest.importorskip('alfworld')
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning')
@@ -38,16 +39,6 @@ def request(spec, direction, acc=0.875, critiques=(), root=None):
   return base.RewriteRequest(spec=spec, root=root or spec, direction=direction,
                              acc_old=acc, critiques=list(critiques),
                              trajectories=[], judgments=[])
-
-
-def fake_generate(completions):
-  """A GenerateFn returning `completions`; it records its prompts."""
-  seen = []
-
-  def generate(prompts):
-    seen.extend(prompts)
-    return list(completions)[:len(prompts)]
-  return generate, seen
 
 
 def valid_pairs(env, spec):

@@ -62,3 +62,13 @@ def hf_model_factory(tmp_path):
     path = tmp_path / (name or family)
     return str(path), make_hf_model(path, family, **overrides)
   return factory
+
+
+def fake_generate(completions):
+  """An environment's GenerateFn returning `completions`; records prompts."""
+  seen = []
+
+  def generate(prompts):
+    seen.extend(prompts)
+    return list(completions)[:len(prompts)]
+  return generate, seen

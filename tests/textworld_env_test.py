@@ -14,6 +14,7 @@ from rla_jax import truncation
 from rla_jax.envs import base
 from rla_jax.envs import textworld as tw
 from rla_jax.envs import textworld_text as twtext
+from conftest import fake_generate  # pylint: disable=g-bad-import-order
 
 try:
   import textworld  # pylint: disable=unused-import
@@ -44,16 +45,6 @@ def request(spec, direction, critiques=(), acc=0.5):
   return base.RewriteRequest(spec=spec, root=spec, direction=direction,
                              acc_old=acc, critiques=list(critiques),
                              trajectories=[], judgments=[])
-
-
-def fake_generate(completions):
-  """A GenerateFn that returns `completions` and records its prompts."""
-  seen = []
-
-  def generate(prompts):
-    seen.extend(prompts)
-    return list(completions)[:len(prompts)]
-  return generate, seen
 
 
 # Pure helpers (no textworld needed).
