@@ -390,7 +390,7 @@ def _write_process_report(run: runtime.Run):
   process of a run must write the same values (launch/local.sh compares
   them).
   """
-  report = {
+  summary = {
       'process': jax.process_index(), 'processes': jax.process_count(),
       'devices': jax.device_count(), 'epoch': run.saved_epoch,
       'pool_digest': pool_digest(curator.state(run.pool)),
@@ -402,7 +402,7 @@ def _write_process_report(run: runtime.Run):
   }
   path = os.path.join(run.workdir, f'process_{jax.process_index()}.json')
   with open(path + '.tmp', 'w') as f:
-    json.dump(report, f, indent=1)
+    json.dump(summary, f, indent=1)
   os.replace(path + '.tmp', path)
 
 
