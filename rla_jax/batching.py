@@ -8,6 +8,10 @@ starts at column P and the hidden state at P - 1 + r predicts response token r.
 Prompt and response lengths are rounded up to configured buckets and M to a
 power of two, which keeps the number of compiled programs small; padding
 micro-batches are skipped on the device.
+
+Examples with images (Qwen3-VL) add, per micro-batch, the packed patches of
+its rows' images (padded to one bucket length N for the step) and the rows'
+multimodal positions [M, B, T, 3].
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import math
 from collections.abc import Sequence
 
 import flax.struct
+import jax
 import numpy as np
 
 from rla_jax import structs
+from rla_jax.models import vision
 
 DROP = 'drop'
 TRUNCATE = 'truncate'  # keep the last max_prompt_len prompt tokens
@@ -35,6 +41,9 @@ class Batch:
   advantages_MxB: np.ndarray  # float32: one scalar per sequence
   old_logp_MxBxR: np.ndarray  # float32: log pi_old, from the log-prob pass
   ref_logp_MxBxR: np.ndarray  # float32: KL reference (pi_old by default)
+  # With images: positions (t, h, w) and each micro-batch's patches [M, N, ...].
+  positions_MxBxTx3: np.ndarray | None = None
+  patches: vision.Patches | None = None
 
   @property
   def response_len(self) -> int:
@@ -66,7 +75,7 @@ def select(examples: Sequence[structs.Example], *, max_prompt_len: int,
     response = list(example.response_tokens)[:max_response_len]
     logprobs = list(example.logprobs)[:max_response_len]
     if len(prompt) > max_prompt_len:
-      if overlong_prompt == DROP:
+      if overlong_prompt == DROP or example.images is not None:
         dropped += 1
         continue
       prompt = prompt[len(prompt) - max_prompt_len:]
@@ -110,10 +119,12 @@ def num_micro_batches(num_examples: int, micro_batch_size: int) -> int:
 
 def pack(examples: Sequence[structs.Example], *, micro_batch_size: int,
          prompt_buckets: Sequence[int],
-         response_buckets: Sequence[int]) -> Batch:
+         response_buckets: Sequence[int],
+         vision_config: vision.VisionConfig | None = None) -> Batch:
   """Pads one step's examples into a Batch; examples keep their order.
 
   Padding uses token id 0; it is masked out of attention and the loss.
+  Examples with images need the model's `vision_config`.
   """
   if not examples:
     raise ValueError('pack needs at least one example')
@@ -134,8 +145,38 @@ def pack(examples: Sequence[structs.Example], *, micro_batch_size: int,
     advantages[row] = example.advantage
   shape = lambda x: x.reshape((m, micro_batch_size) + x.shape[1:])
   zeros = np.zeros((m, micro_batch_size, r), np.float32)
-  return Batch(tokens_MxBxT=shape(tokens), mask_MxBxT=shape(mask),
-               response_mask_MxBxR=shape(response_mask),
-               advantages_MxB=shape(advantages), old_logp_MxBxR=zeros,
-               ref_logp_MxBxR=zeros)
+  batch = Batch(tokens_MxBxT=shape(tokens), mask_MxBxT=shape(mask),
+                response_mask_MxBxR=shape(response_mask),
+                advantages_MxB=shape(advantages), old_logp_MxBxR=zeros,
+                ref_logp_MxBxR=zeros)
+  if any(e.images is not None for e in examples):
+    batch = _with_images(batch, examples, vision_config)
+  return batch
+
+
+def _with_images(batch: Batch, examples, config) -> Batch:
+  """The batch with each micro-batch's patches and multimodal positions."""
+  if config is None:
+    raise ValueError('examples with images need a model with a vision tower')
+  m, b, _ = batch.tokens_MxBxT.shape
+  rows = list(examples) + [None] * (m * b - len(examples))
+  groups = []  # per micro-batch: (pixel arrays, grids)
+  for i in range(m):
+    pixels, grids = [], []
+    for e in rows[i * b:(i + 1) * b]:
+      if e is not None and e.images is not None:
+        pixels.append(np.asarray(e.images.pixel_values, np.float32))
+        grids += vision.check_grids(config, e.images.grids)
+    groups.append((pixels, tuple(grids)))
+  length = max(vision.bucket_length(config, sum(len(p) for p in pixels))
+               for pixels, _ in groups)
+  positions, patches = [], []
+  for i, (pixels, grids) in enumerate(groups):
+    positions.append(vision.multimodal_positions(
+        batch.tokens_MxBxT[i], batch.mask_MxBxT[i], grids, config)[0])
+    patches.append(vision.patches(
+        config, np.concatenate(pixels) if pixels else
+        np.zeros((0, config.patch_dim), np.float32), grids, length))
+  return batch.replace(positions_MxBxTx3=np.stack(positions),
+                       patches=jax.tree.map(lambda *a: np.stack(a), *patches))
 

@@ -12,6 +12,14 @@ across turns as a chat (system, user, assistant, user, ...): a turn only
 appends the end of the last answer's assistant turn and the new user turn
 (`turn_delta`), and its `prompt_tokens` are the whole conversation the
 model conditioned on, so training sees exactly that context.
+
+A message's content may be a list of parts, transformers' multimodal format:
+{'type': 'text', 'text': ...} and {'type': 'image', 'image': PIL image or
+array}. Images need a vision-language model, whose loader returns a
+`hf_vision.Processor` to pass as the tokenizer; each image part becomes that
+model's image tokens, and every Completion carries its prompt's `Images` so
+the train steps see the same pixels. A prompt with images is never cut (its
+image tokens would lose their image): an over-long one is an error.
 """
 
 from __future__ import annotations
@@ -20,9 +28,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from rla_jax import metrics
 from rla_jax import sampler
+from rla_jax import structs
 from rla_jax import truncation
+from rla_jax.models import hf_vision
 
 SESSIONS = ('none', 'kv')
 _SENTINEL = '\x07\x07'  # stands for an answer while rendering what follows it
@@ -38,6 +50,7 @@ class Completion:
   logprobs: list[float]
   finish_reason: str
   prompt_cut: bool = False  # the prompt was over max_prompt_len and shortened
+  images: structs.Images | None = None  # of the image tokens in prompt_tokens
   # In a KV session, `prompt` is the turn in the environment's own prompt
   # format (what the RM judges and logs show) and `prompt_tokens` is the
   # conversation held in the cache.
@@ -58,6 +71,8 @@ class ChatState:
   sessions: dict[int, Any] = dataclasses.field(
       default_factory=dict)  # chunk -> (rows in session order, Session)
   restarts: int = 0  # fresh prefills after the first (a row outgrew the cap)
+  images: dict[int, list[structs.Images]] = dataclasses.field(
+      default_factory=dict)  # row -> images held in its session, in order
 
 
 class Turn(list):
@@ -83,7 +98,55 @@ def _prefix(messages: Sequence[dict[str, str]]):
   return messages, ''
 
 
+def _flat(message: dict) -> dict:
+  """The message with list content as text (image parts as placeholders)."""
+  content = message['content']
+  if isinstance(content, str):
+    return message
+  text = ''.join(hf_vision.IMAGE_TEXT if part['type'] == 'image'
+                 else part['text'] for part in content)
+  return dict(message, content=text)
+
+
+def images_of(messages: Sequence[dict]) -> list:
+  """The image parts of the messages, in order."""
+  return [part['image'] for m in messages if not isinstance(m['content'], str)
+          for part in m['content'] if part['type'] == 'image']
+
+
+def join_images(images: Sequence[structs.Images | None]):
+  """One Images of several (in order), or None when there are none."""
+  images = [i for i in images if i is not None]
+  if not images:
+    return None
+  return structs.Images(
+      np.concatenate([np.asarray(i.pixel_values) for i in images]),
+      np.concatenate([np.asarray(i.grids).reshape(-1, 3) for i in images]))
+
+
+def _split_processor(tokenizer):
+  """(tokenizer, processor or None): a Processor stands for both."""
+  if isinstance(tokenizer, hf_vision.Processor):
+    return tokenizer.tokenizer, tokenizer
+  return tokenizer, None
+
+
+def _encode_images(processor, text: str, images, max_len: int):
+  """(ids, Images or None) of a prompt with image parts, never cut."""
+  if processor is None:
+    raise ValueError('messages carry images; the model needs a vision '
+                     'processor (load a Qwen3-VL folder)')
+  ids, held = processor.encode(truncation.plain(text), images)
+  if len(ids) > max_len:
+    raise ValueError(f'a prompt with {len(images)} images is {len(ids)} '
+                     f'tokens, over sampling.max_prompt_len={max_len}; '
+                     'prompts with images are not cut (keep fewer images or '
+                     'raise the limit)')
+  return ids, held
+
+
 def _template(tokenizer, messages, generation_prompt: bool) -> str:
+  messages = [_flat(m) for m in messages]
   if getattr(tokenizer, 'chat_template', None):
     return tokenizer.apply_chat_template(
         list(messages), tokenize=False,
@@ -143,14 +206,24 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
   if sampling.session not in SESSIONS:
     raise ValueError(f'sampling.session={sampling.session!r}: one of '
                      f'{SESSIONS}')
+  tokenizer, processor = _split_processor(tokenizer)
   if (sampling.session == 'kv' and messages_batch
       and all(isinstance(m, Turn) for m in messages_batch)):
-    return _continue(model, tokenizer, messages_batch, sampling=sampling,
-                     num_samples=num_samples, seed=seed, mesh=mesh,
-                     rules=rules)
-  encoded = [truncation.encode(tokenizer, render(tokenizer, m),
-                               sampling.max_prompt_len)
-             for m in messages_batch]
+    return _continue(model, tokenizer, processor, messages_batch,
+                     sampling=sampling, num_samples=num_samples, seed=seed,
+                     mesh=mesh, rules=rules)
+  encoded, held = [], []
+  for m in messages_batch:
+    text, images = render(tokenizer, m), images_of(m)
+    if images:
+      ids, row_images = _encode_images(processor, text, images,
+                                       sampling.max_prompt_len)
+      encoded.append((ids, False, text))
+      held.append(row_images)
+    else:
+      encoded.append(truncation.encode(tokenizer, text,
+                                       sampling.max_prompt_len))
+      held.append(None)
   prompt_ids = [ids for ids, _, _ in encoded]
   prompts = [text for _, _, text in encoded]
   per_call = max(1, sampling.max_rows // num_samples)
@@ -159,19 +232,20 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
                                 desc=f'sampling {len(prompts)} prompts'):
     chunk = prompt_ids[start:start + per_call]
     out = _sample(model, tokenizer, chunk, sampling, num_samples,
-                  (seed * 100_003 + start) % 2**32, mesh, rules)
+                  (seed * 100_003 + start) % 2**32, mesh, rules,
+                  images=join_images(held[start:start + per_call]))
     for i, ids in enumerate(chunk):
       row = []
       for j in range(num_samples):
         k = i * num_samples + j
         row.append(_completion(tokenizer, out, k, prompts[start + i], ids,
-                               encoded[start + i][1]))
+                               encoded[start + i][1], held[start + i]))
       results.append(row)
   return results
 
 
 def _sample(model, tokenizer, prompts, sampling, num_samples, seed, mesh,
-            rules, **session):
+            rules, images=None, **session):
   """One sampler.generate call with the options of a sampling section."""
   allowed = [tokenizer.convert_tokens_to_ids(t)
              for t in sampling.allowed_tokens]
@@ -179,6 +253,8 @@ def _sample(model, tokenizer, prompts, sampling, num_samples, seed, mesh,
     raise ValueError(f'allowed_tokens={tuple(sampling.allowed_tokens)}: each '
                      'must be one token of the tokenizer')
   kwargs = {} if rules is None else {'rules': rules}
+  if images is not None:
+    kwargs['images'] = (images.pixel_values, images.grids)
   return sampler.generate(
       model, prompts, sampling.max_new_tokens,
       temperature=sampling.temperature, top_p=sampling.top_p,
@@ -190,17 +266,18 @@ def _sample(model, tokenizer, prompts, sampling, num_samples, seed, mesh,
       **kwargs)
 
 
-def _completion(tokenizer, out, k, prompt, prompt_ids, cut) -> Completion:
+def _completion(tokenizer, out, k, prompt, prompt_ids, cut,
+                images=None) -> Completion:
   tokens = list(out.tokens[k])
   return Completion(
       prompt=prompt, prompt_tokens=list(prompt_ids),
       text=tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
       logprobs=list(out.logprobs[k]), finish_reason=out.finish_reason[k],
-      prompt_cut=cut)
+      prompt_cut=cut, images=images)
 
 
-def _continue(model, tokenizer, turns: Sequence[Turn], *, sampling,
-              num_samples: int, seed: int, mesh,
+def _continue(model, tokenizer, processor, turns: Sequence[Turn], *,
+              sampling, num_samples: int, seed: int, mesh,
               rules) -> list[list[Completion]]:
   """`complete` for Turns in KV sessions (one completion per turn)."""
   if num_samples != 1:
@@ -216,23 +293,30 @@ def _continue(model, tokenizer, turns: Sequence[Turn], *, sampling,
   for chunk, members in sorted(chunks.items()):
     new = {t.row: t.chat() for t in members}
     held = state.sessions.get(chunk)
-    deltas = None if held is None else _deltas(tokenizer, state, held, new,
-                                               sampling.max_prompt_len)
+    deltas = None if held is None else _deltas(
+        tokenizer, processor, state, held, new, sampling.max_prompt_len)
     if deltas is None:  # a fresh prefill: first turn, or a row outgrew the cap
       state.restarts += held is not None
       rows = sorted(new)
-      prompts, cuts = zip(*(_fresh(tokenizer, state, r, new[r],
+      prompts, cuts = zip(*(_fresh(tokenizer, processor, state, r, new[r],
                                    sampling.max_prompt_len) for r in rows))
       out = _sample(model, tokenizer, list(prompts), sampling, 1,
                     (seed * 100_003 + chunk) % 2**32, mesh, rules,
+                    images=join_images(join_images(state.images[r])
+                                       for r in rows),
                     keep_session=True, cache_bucket=sampling.cache_bucket)
     else:
       rows, session = held
-      prompts = [deltas.get(r) for r in rows]
+      prompts = [deltas[r][0] if r in deltas else None for r in rows]
       cuts = [False] * len(rows)
       before = [list(c) for c in session.conversations]
+      for r in rows:
+        if r in deltas and deltas[r][1] is not None:
+          state.images[r].append(deltas[r][1])
       out = _sample(model, tokenizer, prompts, sampling, 1,
                     (seed * 100_003 + chunk) % 2**32, mesh, rules,
+                    images=join_images(deltas[r][1] for r in rows
+                                       if r in deltas),
                     session=session, keep_session=True,
                     cache_bucket=sampling.cache_bucket)
       prompts = [None if d is None else b + d for b, d in zip(before, prompts)]
@@ -240,7 +324,8 @@ def _continue(model, tokenizer, turns: Sequence[Turn], *, sampling,
     for k, r in enumerate(rows):
       if r not in new:
         continue
-      completion = _completion(tokenizer, out, k, '', prompts[k], cuts[k])
+      completion = _completion(tokenizer, out, k, '', prompts[k], cuts[k],
+                               join_images(state.images[r]))
       _, prefix = _prefix(new[r])
       state.messages[r] = (_chat_only(new[r]) if r not in state.messages
                            else state.messages[r] + _chat_only(new[r]))
@@ -264,38 +349,51 @@ def _chat_only(messages):
   return _prefix(messages)[0]
 
 
-def _deltas(tokenizer, state, held, new, max_len):
-  """Row -> tokens continuing its conversation, or None when one would
-  outgrow max_len (the chunk then starts a fresh session)."""
+def _deltas(tokenizer, processor, state, held, new, max_len):
+  """Row -> (tokens continuing its conversation, their Images or None), or
+  None when one would outgrow max_len (the chunk then starts a fresh
+  session)."""
   rows, session = held
   deltas = {}
   for k, r in enumerate(rows):
     if r not in new:
       continue
     text = turn_delta(tokenizer, state.messages[r], new[r], state.stop_text[r])
-    ids = tokenizer(text, add_special_tokens=False)['input_ids']
+    images = images_of(new[r])
+    if images:
+      ids, row_images = _encode_images(processor, text, images, max_len)
+    else:
+      ids = tokenizer(text, add_special_tokens=False)['input_ids']
+      row_images = None
     if len(session.conversations[k]) + len(ids) > max_len:
       return None
-    deltas[r] = ids
+    deltas[r] = (ids, row_images)
   if any(r not in rows for r in new):
     raise ValueError(f'rows {sorted(set(new) - set(rows))} are not in the '
                      'session of their chunk')
   return deltas
 
 
-def _fresh(tokenizer, state, row, new, max_len) -> tuple[list[int], bool]:
+def _fresh(tokenizer, processor, state, row, new,
+           max_len) -> tuple[list[int], bool]:
   """(prompt tokens of a whole conversation, whether turns were dropped).
 
   An over-long chat loses its oldest exchanges after the first (which holds
   the instructions and the task); if that is not enough, the middle of the
-  text (truncation.encode).
+  text (truncation.encode; a chat with images is not cut, see `complete`).
+  The images of what is kept go to `state.images[row]`.
   """
   chat = list(state.messages.get(row, []))
   tail, prefix = _prefix(new)
   dropped = False
   while True:
-    ids = tokenizer(_template(tokenizer, chat + tail, True) + prefix,
-                    add_special_tokens=False)['input_ids']
+    text = _template(tokenizer, chat + tail, True) + prefix
+    images = images_of(chat + tail)
+    if images:
+      ids, held = processor.encode(text, images) if processor else (
+          _encode_images(None, text, images, max_len))
+    else:
+      ids, held = tokenizer(text, add_special_tokens=False)['input_ids'], None
     first_answer = next((i for i, m in enumerate(chat)
                          if m['role'] == 'assistant'), None)
     if len(ids) <= max_len or first_answer is None or (
@@ -304,6 +402,9 @@ def _fresh(tokenizer, state, row, new, max_len) -> tuple[list[int], bool]:
     del chat[first_answer + 1:first_answer + 3]  # the oldest user + answer
     dropped = True
   state.messages[row] = chat
+  state.images[row] = [] if held is None else [held]
+  if len(ids) > max_len and held is not None:
+    _encode_images(processor, text, images, max_len)  # raises
   if len(ids) > max_len:
     ids, _, _ = truncation.encode(
         tokenizer, _template(tokenizer, chat + tail, True) + prefix, max_len)

@@ -340,7 +340,7 @@ def _keep_nonzero(sources, keys, advantages, eps, examples, stats):
       examples.append(structs.Example(
           list(source.prompt_tokens), list(source.response_tokens),
           float(advantage), logprobs=list(source.logprobs),
-          key=example_key(*key)))
+          key=example_key(*key), images=source.images))
 
 
 def _usable_groups(trajectories, accuracy, keep, exclude, stats):

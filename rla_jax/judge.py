@@ -116,7 +116,7 @@ def score(rm_model, tokenizer, env, trajectories, *, mode: str,
           step=k, sample=j, prompt=c.prompt, prompt_tokens=c.prompt_tokens,
           response=c.text, response_tokens=c.tokens, logprobs=c.logprobs,
           score=0 if s is None else s, parsed=s is not None,
-          prompt_cut=c.prompt_cut, info=info))
+          prompt_cut=c.prompt_cut, images=c.images, info=info))
   if not steps:
     _run_tests(env, groups, judgments)
   return judgments

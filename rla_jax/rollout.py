@@ -132,7 +132,7 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
           prompt=c.prompt, prompt_tokens=c.prompt_tokens, response=c.text,
           response_tokens=c.tokens, logprobs=c.logprobs, action=action,
           observation=observation, finish_reason=c.finish_reason,
-          prompt_cut=c.prompt_cut))
+          prompt_cut=c.prompt_cut, images=c.images))
       turns[i].append((observations[i], action))
       observations[i] = observation
       if done:

@@ -27,6 +27,7 @@ from flax import nnx
 from rla_jax import sampling
 from rla_jax import sharding
 from rla_jax.models import transformer
+from rla_jax.models import vision
 
 STOP_TOKEN = 'stop_token'
 STOP_STRING = 'stop_string'
@@ -46,12 +47,16 @@ class Session:
   """Conversations whose KV cache is still held on device.
 
   `conversations[r]` is every token of row r so far; all but its last token
-  are in `cache` (the last one was sampled, never fed), at positions 0, 1, ...
+  are in `cache` (the last one was sampled, never fed). Token i sits at
+  position i + `shifts[r]` for every token after the row's last image (images
+  take fewer positions than tokens under multimodal RoPE; 0 without images).
   Rows past `len(conversations)` are batch padding.
   """
 
   cache: transformer.KVCache
   conversations: list[list[int]]
+  shifts: list[int] | None = None
+  holds_images: bool = False
 
 
 @dataclasses.dataclass
@@ -115,12 +120,14 @@ def _widen(cache: transformer.KVCache, length: int) -> transformer.KVCache:
 
 
 def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
-              seed, *, plan: _Plan):
+              seed, patches=None, positions_BxCx3=None, *, plan: _Plan):
   """Appends each row's chunk to the cache, then samples until all are done.
 
   The chunk's last token is fed by the first loop step, so the prefill never
-  computes logits (XLA drops them). Returns tokens and log-probs [B*G, N],
-  the number of tokens per row and the cache.
+  computes logits (XLA drops them). With images (`patches`), the vision
+  tower encodes them once and the chunk runs at the multimodal
+  `positions_BxCx3`. Returns tokens and log-probs [B*G, N], the number of
+  tokens per row and the cache.
   """
   global _traces
   _traces += 1
@@ -130,10 +137,18 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   fresh = cache is None
   if fresh:
     cache = transformer.init_cache(model.config, b, plan.cache_length)
-  positions_BxC = start_B[:, None] + transformer.default_positions(mask_BxC)
+  images = None
+  if patches is not None:
+    images = model.encode_images(patches)
+    positions_BxC = positions_BxCx3
+    last_position_B = positions_BxCx3[:, -1, 0]  # a text token: t = h = w
+  else:
+    positions_BxC = start_B[:, None] + transformer.default_positions(mask_BxC)
+    last_position_B = positions_BxC[:, -1]
   if chunk_BxC.shape[1] > 1:
     _, cache = model.decode(chunk_BxC[:, :-1], positions_BxC[:, :-1],
-                            mask_BxC[:, :-1], cache, fresh=fresh)
+                            mask_BxC[:, :-1], cache, fresh=fresh,
+                            images=images)
   # The G samples of a prompt share its prefill.
   repeat = lambda x: jnp.repeat(x, g, axis=0)
   if g > 1:
@@ -168,7 +183,7 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
 
   state = _Loop(
       step=jnp.zeros((), jnp.int32), last_B=repeat(chunk_BxC[:, -1]),
-      positions_B=repeat(positions_BxC[:, -1]), done_B=repeat(~live_B),
+      positions_B=repeat(last_position_B), done_B=repeat(~live_B),
       num_B=jnp.zeros((b * g,), jnp.int32),
       tokens_BxN=sharding.constrain(jnp.zeros((b * g, n), jnp.int32),
                                     ('batch', None)),
@@ -352,7 +367,8 @@ def _finish(tokens, logprobs, num, prompts, g, stop_ids, stop_strings,
   return out, cuts
 
 
-def _next_session(cache, whole, out, g, cuts, last_slot):
+def _next_session(cache, whole, out, g, cuts, last_slot, shifts,
+                  holds_images):
   """Conversations extended by this call; cache slots of cut tokens masked.
 
   Generated token j of a row was fed at slot `last_slot + 1 + j`, where
@@ -365,7 +381,33 @@ def _next_session(cache, whole, out, g, cuts, last_slot):
     cache = cache.replace(
         mask_BxS=jax.device_put(mask, cache.mask_BxS.sharding))
   conversations = [whole[r // g] + tokens for r, tokens in enumerate(out.tokens)]
-  return Session(cache, conversations)
+  return Session(cache, conversations,
+                 [shifts[r // g] for r in range(len(out.tokens))], holds_images)
+
+
+def _image_positions(model, chunk, mask, start_B, shifts, images, rows):
+  """(vision.Patches, positions [B, C, 3], new shifts) of a call.
+
+  `start_B`: position of each chunk's first token.
+  """
+  config = model.config.vision
+  if config is None:
+    raise ValueError(f'images given to a {model.config.model_type} model, '
+                     'which has no vision tower')
+  pixels, grids = images
+  grids = vision.check_grids(config, grids)
+  relative_BxCx3, next_B = vision.multimodal_positions(chunk, mask, grids,
+                                                       config)
+  ends = chunk[:len(rows.chunks), -1] == config.image_token_id
+  if ends.any():
+    raise ValueError(f'prompt {int(np.argmax(ends))} ends in an image token; '
+                     'a prompt must end in text (the generation prompt)')
+  positions = np.where(mask[..., None],
+                       relative_BxCx3 + start_B[:, None, None], 0)
+  new_shifts = [s + int(n) - len(c)
+                for s, n, c in zip(shifts, next_B, rows.chunks)]
+  return (vision.patches(config, pixels, grids), positions.astype(np.int32),
+          new_shifts)
 
 
 def generate(model: transformer.Transformer,
@@ -388,7 +430,8 @@ def generate(model: transformer.Transformer,
              mesh: jax.sharding.Mesh | None = None,
              rules: tuple = sharding.DEFAULT_RULES,
              session: Session | None = None,
-             keep_session: bool = False) -> Output:
+             keep_session: bool = False,
+             images=None) -> Output:
   """Samples up to `max_new_tokens` tokens after each prompt.
 
   Args:
@@ -420,6 +463,12 @@ def generate(model: transformer.Transformer,
       over 'tensor' as the rules say.
     session: the `session` of an earlier output, to continue its rows.
     keep_session: return the cache in `Output.session`.
+    images: (pixel_values [N, P], image_grid_thw [n, 3]) of the images whose
+      image tokens are in this call's prompts, in order (Qwen3-VL). The
+      tower runs once per image; the cache (and a kept session) holds their
+      tokens, so later turns do not pass them again. Images are padded to a
+      bucket of patches (vision.bucket_length): those of a known bucket do
+      not compile again.
 
   Returns:
     An Output with one entry per row: len(prompts) * num_samples rows.
@@ -439,6 +488,15 @@ def generate(model: transformer.Transformer,
   g = num_samples
   rows = _plan_rows(prompts, session, max_new_tokens, prompt_buckets,
                     batch_buckets, cache_bucket, max_cache_length)
+  shifts = [0] * len(prompts)
+  holds_images = images is not None
+  if session is not None:
+    shifts = list(session.shifts or shifts)
+    holds_images |= session.holds_images
+    if session.holds_images and rows.cache is None:
+      raise ValueError(f'the session\'s cache would pass max_cache_length='
+                       f'{max_cache_length} and be prefilled anew, which needs '
+                       'the images of earlier turns; raise max_cache_length')
   if session is not None:
     session.cache = None
   chunk = np.zeros((rows.batch, rows.width), np.int32)
@@ -447,7 +505,14 @@ def generate(model: transformer.Transformer,
     chunk[r, rows.width - len(c):] = c
     mask[r, rows.width - len(c):] = True
   start = np.zeros(rows.batch, np.int32)
-  start[:len(prompts)] = rows.start
+  start[:len(prompts)] = np.asarray(rows.start) + np.asarray(shifts)
+  extra = ()
+  if images is not None:
+    patches, positions, shifts = _image_positions(
+        model, chunk, mask, start, shifts, images, rows)
+    extra = (jax.tree.map(lambda a: _put(a, mesh, rules, (None,) * a.ndim),
+                          patches),
+             _put(positions, mesh, rules, ('batch', 'length', None)))
   live = np.zeros(rows.batch, bool)
   live[:len(prompts)] = [p is not None for p in prompts]
   if transpose_head is None:
@@ -465,10 +530,11 @@ def generate(model: transformer.Transformer,
         _put(mask, mesh, rules, ('batch', 'length')),
         _put(start, mesh, rules, ('batch',)),
         _put(live, mesh, rules, ('batch',)),
-        np.uint32(seed), plan=plan)
+        np.uint32(seed), *extra, plan=plan)
   out, cuts = _finish(tokens, logprobs, num, prompts, g, plan.stop_token_ids,
                       stop_strings, tokenizer)
   if keep_session:
     out.session = _next_session(cache, rows.whole, out, g, cuts,
-                                rows.origin + rows.width - 1)
+                                rows.origin + rows.width - 1, shifts,
+                                holds_images)
   return out

@@ -1,7 +1,8 @@
 """Plain host-side records passed between the stages of one epoch.
 
-Everything here is JSON-friendly Python (no arrays), so it can be logged,
-checkpointed and tested without JAX.
+Everything here is JSON-friendly Python (no arrays, but for the pixels of a
+vision-language prompt's `Images`), so it can be logged, checkpointed and
+tested without JAX.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ class Task:
 
 
 @dataclasses.dataclass
+class Images:
+  """The images of one prompt, in the order of its image tokens (Qwen3-VL)."""
+
+  pixel_values: Any  # [N, P] float32 patches, from the image processor
+  grids: Any  # [n, 3] int (t, h, w) patches per image: image_grid_thw
+
+
+@dataclasses.dataclass
 class Step:
   """One policy turn: what it saw, what it said, what happened next."""
 
@@ -56,6 +65,7 @@ class Step:
   observation: str  # the environment's reply to the action
   finish_reason: str
   prompt_cut: bool = False  # the prompt was too long and lost tokens
+  images: Images | None = None  # of the prompt's image tokens
 
 
 @dataclasses.dataclass
@@ -105,6 +115,7 @@ class Judgment:
   score: int  # S in {-1, 0, +1}; 0 when unparseable
   parsed: bool
   prompt_cut: bool = False  # the prompt was too long and lost tokens
+  images: Images | None = None  # of the prompt's image tokens
   # Unit-test judges: 'test' [stdin, expected] (None: unparseable),
   # 'rollouts' and 'passed' (which programs pass it; None: not run).
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -130,4 +141,5 @@ class Example:
   # with the trainer's pi_old to catch sampler/trainer mismatches.
   logprobs: list[float] = dataclasses.field(default_factory=list)
   key: str = ''  # where it came from, e.g. 'task/source/rollout/step[/sample]'
+  images: Images | None = None  # of the prompt's image tokens
 

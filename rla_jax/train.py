@@ -124,11 +124,18 @@ def loss_config(train_config) -> losses.LossConfig:
 # ---- device functions ------------------------------------------------------
 
 
-def _response_hidden(model, tokens_BxT, mask_BxT, response_len: int):
-  """Hidden states that predict the response tokens, and those tokens."""
+def _response_hidden(model, tokens_BxT, mask_BxT, response_len: int,
+                     positions_BxTx3=None, patches=None):
+  """Hidden states that predict the response tokens, and those tokens.
+
+  With images, the vision tower encodes the micro-batch's `patches` inside
+  the step (its parameters train with the rest).
+  """
   t = tokens_BxT.shape[1]
   p = t - response_len
-  hidden_BxTxD = model.hidden(tokens_BxT, mask_BxT=mask_BxT)
+  images = None if patches is None else model.encode_images(patches)
+  hidden_BxTxD = model.hidden(tokens_BxT, mask_BxT=mask_BxT,
+                              positions_BxT=positions_BxTx3, images=images)
   return hidden_BxTxD[:, p - 1:t - 1], tokens_BxT[:, p:]
 
 
@@ -162,16 +169,15 @@ def logprob_pass(params, batch: batching.Batch, *, graphdef, head_chunk: int):
   chunk = _head_positions(head_chunk, batch.tokens_MxBxT.shape[1])
 
   def one(carry, xs):
-    tokens_BxT, mask_BxT = xs
     model = nnx.merge(graphdef, params)
-    hidden_BxRxD, targets_BxR = _response_hidden(model, tokens_BxT, mask_BxT,
-                                                 r)
+    hidden_BxRxD, targets_BxR = _response_hidden(model, *xs[:2], r, *xs[2:])
     return carry, losses.token_logprobs(hidden_BxRxD, model.head_weight(),
                                         targets_BxR, chunk=chunk)
 
   active_M = jnp.any(batch.response_mask_MxBxR, axis=(1, 2))
-  return _over_micro_batches(one, (), (batch.tokens_MxBxT, batch.mask_MxBxT),
-                             active_M)[1]
+  xs = (batch.tokens_MxBxT, batch.mask_MxBxT, batch.positions_MxBxTx3,
+        batch.patches)
+  return _over_micro_batches(one, (), xs, active_M)[1]
 
 
 def _global_weights(batch: batching.Batch, aggregation: str):
@@ -195,10 +201,11 @@ def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
   chunk = _head_positions(head_chunk, batch.tokens_MxBxT.shape[1])
 
   def loss_fn(p, xs):
-    tokens_BxT, mask_BxT, weights_BxR, old_BxR, ref_BxR, adv_B = xs
+    (tokens_BxT, mask_BxT, weights_BxR, old_BxR, ref_BxR, adv_B, positions,
+     patches) = xs
     model = nnx.merge(graphdef, p)
     hidden_BxRxD, targets_BxR = _response_hidden(model, tokens_BxT, mask_BxT,
-                                                 r)
+                                                 r, positions, patches)
     data = dict(old_logp_BxT=old_BxR, ref_logp_BxT=ref_BxR,
                 weights_BxT=weights_BxR, advantages_B=adv_B)
     return losses.head_loss(hidden_BxRxD, model.head_weight(), targets_BxR,
@@ -215,7 +222,8 @@ def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
     return constrain(grads), out
 
   xs = (batch.tokens_MxBxT, batch.mask_MxBxT, weights_MxBxR,
-        batch.old_logp_MxBxR, batch.ref_logp_MxBxR, batch.advantages_MxB)
+        batch.old_logp_MxBxR, batch.ref_logp_MxBxR, batch.advantages_MxB,
+        batch.positions_MxBxTx3, batch.patches)
   active_M = jnp.any(batch.response_mask_MxBxR, axis=(1, 2))
   init = None
   if active_M.shape[0] > 1:
@@ -305,6 +313,7 @@ class Trainer:
     config = dataclasses.replace(model_config(graphdef),
                                  remat=remat_policy(train_config.remat))
     self.graphdef, abstract = nnx.split(transformer.abstract_model(config))
+    self.vision_config = config.vision
     self.tx = make_optimizer(optim_config)
     self.loss_cfg = loss_config(train_config)
     fns = dict(
@@ -456,7 +465,8 @@ def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
   for group in groups:
     batch = batching.pack(group, micro_batch_size=c.micro_batch_size,
                           prompt_buckets=c.prompt_buckets,
-                          response_buckets=c.response_buckets)
+                          response_buckets=c.response_buckets,
+                          vision_config=trainer.vision_config)
     old = trainer.logprobs(state.params, batch)
     ref = old if ref_params is None else trainer.logprobs(ref_params, batch)
     batches.append(batch.replace(old_logp_MxBxR=old, ref_logp_MxBxR=ref))

@@ -156,3 +156,38 @@ def test_blockwise_backward_does_not_store_probabilities():
         ' MiB)')
   assert xla >= probs_bytes
   assert chunked < probs_bytes / 4
+
+
+@pytest.mark.parametrize('block', [8, 512])
+def test_chunked_segments_are_bidirectional_blocks(block):
+  """The vision tower's call: packed images, each attending within itself."""
+  t = 37
+  q, k, v = _qkv(t, seed=3)
+  segment = np.full((B, t), -1, np.int32)  # -1: padding
+  segment[0, :20], segment[0, 20:30] = 0, 1
+  segment[1, :11], segment[1, 11:35] = 0, 1
+  mask = jnp.asarray(segment >= 0)
+  w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
+
+  def reference(q, k, v):  # each segment on its own, no causal mask
+    out = jnp.zeros_like(q)
+    for b in range(B):
+      for s in (0, 1):
+        idx = np.flatnonzero(segment[b] == s)
+        one = lambda x: x[b:b + 1, idx]
+        full = jnp.ones((1, len(idx)), bool)
+        out = out.at[b, idx].set(_einsum(one(q), one(k), one(v), full,
+                                         q_offset=len(idx))[0])
+    return out
+
+  fn = lambda q, k, v: attention.chunked(
+      q, k, v, mask, q_offset=t - 1, block=block,
+      segment_BxS=jnp.asarray(segment))
+  real = _real(mask)
+  np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v)) * real,
+                             np.asarray(reference(q, k, v)) * real, atol=2e-6)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w * real)
+  got = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+  for name, g, g_want in zip('qkv', got, want):
+    np.testing.assert_allclose(g, g_want, atol=1e-5, err_msg=f'd{name}')

@@ -105,6 +105,19 @@ def attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, *, q_offset=0,
   return chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset, block)
 
 
+def rotary(x_Bx___xNxDh, angles_Bx___xF):
+  """Rotary embedding, 'rotate half' layout (HF checkpoints), F = Dh / 2.
+
+  Angles are given per position and frequency, so 1-D, multimodal (3-axis)
+  and 2-D (image patch) schemes share this one rotation.
+  """
+  cos = jnp.cos(angles_Bx___xF)[..., None, :]
+  sin = jnp.sin(angles_Bx___xF)[..., None, :]
+  x1, x2 = jnp.split(x_Bx___xNxDh.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_Bx___xNxDh.dtype)
+
+
 def _visible(mask_BxS, t: int, q_offset):
   """[B, T, S]: query t sees key s."""
   s = mask_BxS.shape[1]
@@ -146,8 +159,12 @@ def _blocks(n: int, block: int) -> tuple[int, int]:
 
 
 def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
-            block: int = 512):
-  """The blockwise implementation (see the module docstring)."""
+            block: int = 512, segment_BxS=None):
+  """The blockwise implementation (see the module docstring).
+
+  `segment_BxS` (self-attention, T == S): query t sees key s only when both
+  have the same segment id, e.g. the patches of one image in a packed row.
+  """
   b, t, h, dh = q_BxTxHxDh.shape
   s, kv = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
   g = h // kv
@@ -160,7 +177,14 @@ def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
   k = jnp.pad(k_BxSxKxDh.transpose(0, 2, 1, 3), pad_s)
   v = jnp.pad(v_BxSxKxDh.transpose(0, 2, 1, 3), pad_s)
   mask = jnp.pad(mask_BxS.astype(bool), ((0, 0), (0, nk * bk - s)))
-  out = _flash(q, k, v, mask, jnp.asarray(q_offset, jnp.int32), bq, bk)
+  segments = None
+  if segment_BxS is not None:
+    if t != s or nq * bq != nk * bk:
+      raise ValueError('segment ids need self-attention (T == S)')
+    segments = jnp.pad(segment_BxS.astype(jnp.int32), ((0, 0), (0, nk * bk - s)),
+                       constant_values=-1)
+  out = _flash(q, k, v, mask, jnp.asarray(q_offset, jnp.int32), segments, bq,
+               bk)
   return out.transpose(0, 2, 1, 3, 4)[:, :t].reshape(b, t, h, dh)
 
 
@@ -178,7 +202,8 @@ def _key_range(mask_BxSp, q_offset, i, bq: int, bk: int):
   return lo, hi
 
 
-def _scores(q_BxKxRxDh, k_BxKxSxDh, mask_BxS, slots_R, j, bk: int):
+def _scores(q_BxKxRxDh, k_BxKxSxDh, mask_BxS, slots_R, j, bk: int,
+            same_BxRxS=None):
   """f32 scores of one (query block, key block) pair; -inf where hidden."""
   s = jnp.einsum('BKRd,BKSd->BKRS', q_BxKxRxDh, k_BxKxSxDh,
                  preferred_element_type=jnp.float32)
@@ -186,14 +211,24 @@ def _scores(q_BxKxRxDh, k_BxKxSxDh, mask_BxS, slots_R, j, bk: int):
   visible = (mask_BxS[:, None, None, :]
              & (key_slots_S[None, None, None, :]
                 <= slots_R[None, None, :, None]))
+  if same_BxRxS is not None:
+    visible = visible & same_BxRxS[:, None]
   return jnp.where(visible, s, -jnp.inf)
+
+
+def _same_segment(segments_BxTp, i, j, bq: int, bk: int, g: int):
+  """[B, R, S]: query row and key share a segment (None: no segments)."""
+  if segments_BxTp is None:
+    return None
+  rows_BxR = jnp.repeat(_take(segments_BxTp, i * bq, bq, 1), g, axis=1)
+  return rows_BxR[:, :, None] == _take(segments_BxTp, j * bk, bk, 1)[:, None]
 
 
 def _take(x, start, size, axis):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _forward(q, k, v, mask, q_offset, bq: int, bk: int):
+def _forward(q, k, v, mask, q_offset, segments, bq: int, bk: int):
   """(out [B, K, Tp, G, Dh], lse [B, K, Tp, G] f32) by online softmax."""
   b, kv, tp, g, dh = q.shape
   nq = tp // bq
@@ -206,7 +241,7 @@ def _forward(q, k, v, mask, q_offset, bq: int, bk: int):
     def key_block(j, carry):
       m_BxKxR, l_BxKxR, acc_BxKxRxDh = carry
       s = _scores(q_i, _take(k, j * bk, bk, 2), _take(mask, j * bk, bk, 1),
-                  slots_R, j, bk)
+                  slots_R, j, bk, _same_segment(segments, i, j, bq, bk, g))
       m_new = jnp.maximum(m_BxKxR, jnp.max(s, axis=-1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key seen yet
       alpha = jnp.exp(m_BxKxR - m_safe)
@@ -234,19 +269,19 @@ def _forward(q, k, v, mask, q_offset, bq: int, bk: int):
   return out.reshape(b, kv, tp, g, dh), lse.reshape(b, kv, tp, g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, mask, q_offset, bq: int, bk: int):
-  return _forward(q, k, v, mask, q_offset, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q, k, v, mask, q_offset, segments, bq: int, bk: int):
+  return _forward(q, k, v, mask, q_offset, segments, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, mask, q_offset, bq, bk):
-  out, lse = _forward(q, k, v, mask, q_offset, bq, bk)
-  return out, (q, k, v, mask, q_offset, out, lse)
+def _flash_fwd(q, k, v, mask, q_offset, segments, bq, bk):
+  out, lse = _forward(q, k, v, mask, q_offset, segments, bq, bk)
+  return out, (q, k, v, mask, q_offset, segments, out, lse)
 
 
 def _flash_bwd(bq, bk, residuals, dout):
   """dq, dk, dv: per key block, the query blocks that see it, recomputed."""
-  q, k, v, mask, q_offset, out, lse = residuals
+  q, k, v, mask, q_offset, segments, out, lse = residuals
   b, kv, tp, g, dh = q.shape
   nq, nk = tp // bq, k.shape[2] // bk
   rows = bq * g
@@ -268,7 +303,8 @@ def _flash_bwd(bq, bk, residuals, dout):
       do_i = _take(dout, i * bq, bq, 2).reshape(b, kv, rows, dh)
       lse_i = _take(lse, i * bq, bq, 2).reshape(b, kv, rows)
       delta_i = _take(delta, i * bq, bq, 2).reshape(b, kv, rows)
-      s = _scores(q_i, k_j, mask_j, _row_slots(i, q_offset, bq, g), j, bk)
+      s = _scores(q_i, k_j, mask_j, _row_slots(i, q_offset, bq, g), j, bk,
+                  _same_segment(segments, i, j, bq, bk, g))
       p = jnp.exp(s - lse_i[..., None])
       dv_j = dv_j + jnp.einsum('BKRS,BKRd->BKSd', p.astype(dout.dtype), do_i,
                                preferred_element_type=jnp.float32)
@@ -295,7 +331,7 @@ def _flash_bwd(bq, bk, residuals, dout):
           jnp.zeros(v.shape, jnp.float32))
   dq, dk, dv = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), key_block, init)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          None)
+          None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

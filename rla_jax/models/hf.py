@@ -6,6 +6,7 @@ straight from the file, so a 7B checkpoint never exists unsharded on a device.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,10 +20,11 @@ import numpy as np
 from flax import nnx
 
 from rla_jax import sharding
+from rla_jax.models import hf_vision
 from rla_jax.models import transformer
 from rla_jax.models.transformer import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'qwen3')
+SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'qwen3', 'qwen3_vl')
 SUPPORTED_ROPE_TYPES = ('default', 'linear', 'llama3')
 _TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
                     'tokenizer.model', 'vocab.json')
@@ -86,6 +88,8 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = 'float32',
     raise CheckpointError(
         f'{where}: model_type {model_type!r} is not supported '
         f'(supported: {", ".join(SUPPORTED_MODEL_TYPES)})')
+  if model_type == 'qwen3_vl':
+    return _qwen3_vl_config(hf, dtype, param_dtype, where)
   act = hf.get('hidden_act', 'silu')
   if act != 'silu':
     raise CheckpointError(f'{where}: hidden_act {act!r} is not supported '
@@ -122,8 +126,40 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = 'float32',
       pad_token_id=hf.get('pad_token_id'))
 
 
+def _qwen3_vl_config(hf, dtype, param_dtype, where) -> ModelConfig:
+  """Qwen3-VL: a Qwen3 decoder (text_config) with 3-axis RoPE and a tower."""
+  text = dict(_require(hf, 'text_config', where))
+  rope = dict(text.pop('rope_parameters', None) or
+              text.pop('rope_scaling', None) or {})
+  section = tuple(rope.pop('mrope_section', (24, 20, 20)))
+  rope.pop('mrope_interleaved', None)
+  text.update(model_type='qwen3', rope_parameters=rope,
+              tie_word_embeddings=hf.get('tie_word_embeddings', False))
+  for key in ('bos_token_id', 'eos_token_id', 'pad_token_id'):
+    if text.get(key) is None and hf.get(key) is not None:
+      text[key] = hf[key]
+  base = config_from_hf(text, dtype=dtype, param_dtype=param_dtype,
+                        where=f'{where} (text_config)')
+  try:
+    tower = hf_vision.config_from_hf(hf, where)
+    return dataclasses.replace(base, model_type='qwen3_vl',
+                               mrope_section=section, vision=tower)
+  except ValueError as e:
+    raise CheckpointError(str(e)) from e
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   """Keyword arguments for transformers.AutoConfig.for_model."""
+  if config.model_type == 'qwen3_vl':
+    text = config_to_hf(dataclasses.replace(
+        config, model_type='qwen3', mrope_section=None, vision=None))
+    del text['architectures']
+    text['rope_parameters'].update(mrope_section=list(config.mrope_section),
+                                   mrope_interleaved=True)
+    vision_config, token_ids = hf_vision.config_to_hf(config.vision)
+    return dict(architectures=['Qwen3VLForConditionalGeneration'],
+                tie_word_embeddings=text.pop('tie_word_embeddings'),
+                text_config=text, vision_config=vision_config, **token_ids)
   if config.model_type == 'qwen2' and (config.o_bias or not config.qkv_bias):
     raise CheckpointError('qwen2 checkpoints have q/k/v bias and no o bias')
   if config.model_type != 'qwen2' and config.qkv_bias != config.o_bias:
@@ -178,10 +214,13 @@ def _param_table(c: ModelConfig) -> list[_Entry]:
 
   out_in = (lambda a: a.reshape(d, h, dh).transpose(1, 2, 0),  # [D, H*Dh]
             lambda a: a.transpose(2, 0, 1).reshape(d, h * dh))
-  table: list[_Entry] = [(('embed',), ('model.embed_tokens.weight',), ident,
+  lm = 'model.language_model.' if c.vision is not None else 'model.'
+  table: list[_Entry] = [(('embed',), (f'{lm}embed_tokens.weight',), ident,
                           ident),
-                         (('final_norm', 'scale'), ('model.norm.weight',),
+                         (('final_norm', 'scale'), (f'{lm}norm.weight',),
                           ident, ident)]
+  if c.vision is not None:
+    table += hf_vision.param_rows(c.vision)
   if not c.tie_word_embeddings:
     table.append((('lm_head',), ('lm_head.weight',), ident, ident))
   rows = [
@@ -207,7 +246,7 @@ def _param_table(c: ModelConfig) -> list[_Entry]:
               ident),
              (('attn', 'k_norm', 'scale'), 'self_attn.k_norm.weight', ident,
               ident)]
-  names = lambda name, layers: tuple(f'model.layers.{i}.{name}'
+  names = lambda name, layers: tuple(f'{lm}layers.{i}.{name}'
                                      for i in layers)
   if c.scan_layers:
     return table + [(('layers',) + p, names(name, range(c.num_layers)), a, b)
@@ -294,6 +333,9 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
          **run_options):
   """(model, tokenizer) from a Hugging Face folder; tokenizer may be None.
 
+  A Qwen3-VL folder gives (model, hf_vision.Processor) instead: its
+  tokenizer and image processor.
+
   `run_options` are the ModelConfig fields that say how the model runs
   (transformer.RUN_OPTIONS: attention, attention_block, scan_layers, remat).
   """
@@ -307,7 +349,10 @@ def load(path: str, dtype: str = 'float32', mesh=None, *,
                             param_dtype=param_dtype, where=config_file)
   config = transformer.with_run_options(config, **run_options)
   model = from_tensors(config, _map_checkpoint(path), path, mesh, rules)
-  return model, load_tokenizer(path)
+  tokenizer = load_tokenizer(path)
+  if config.vision is not None and tokenizer is not None:
+    return model, hf_vision.load_processor(path, tokenizer, config.vision)
+  return model, tokenizer
 
 
 def from_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
@@ -401,5 +446,5 @@ def save(model: transformer.Transformer, path: str, tokenizer=None, *,
   hf_config = transformers.AutoConfig.for_model(config.model_type,
                                                 **config_to_hf(config))
   hf_config.save_pretrained(path)
-  if tokenizer is not None:
+  if tokenizer is not None:  # a tokenizer or a hf_vision.Processor
     tokenizer.save_pretrained(path)

@@ -1,5 +1,11 @@
 """Decoder-only transformer (Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3) in Flax NNX.
 
+With a `vision` config it is Qwen3-VL: the vision tower (`vision.py`) turns
+images into tokens spliced over the text's image tokens, its deepstack
+features are added to those tokens' hidden states after the first decoder
+layers, and rotary positions have three axes (t, h, w) whose frequencies
+interleave (`mrope_section`).
+
 Dimension letters used in names and einsums:
   B batch, T query tokens, S key/cache slots, D model width, H query heads,
   K kv heads, G query heads per kv head (H = K * G), Dh head dim, F mlp width,
@@ -21,10 +27,12 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rla_jax import sharding
 from rla_jax.models import attention
+from rla_jax.models import vision
 
 # What the backward pass keeps of each layer's forward (`train.remat`):
 # 'none' everything, 'full' only the layer's input (the rest is recomputed),
@@ -43,7 +51,7 @@ def check_remat(policy, key: str = 'train.remat'):
 class ModelConfig:
   """Static architecture; hashable so it can be a static jit argument."""
 
-  model_type: str  # 'llama' | 'qwen2' | 'qwen3'
+  model_type: str  # 'llama' | 'qwen2' | 'qwen3' | 'qwen3_vl'
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -64,6 +72,10 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
+  # Qwen3-VL: rotary frequencies driven by the (t, h, w) position axes, and
+  # the vision tower.
+  mrope_section: tuple[int, ...] | None = None
+  vision: vision.VisionConfig | None = None
   # How it runs, not what it computes (configs/base.py picks the run's
   # values; these defaults are the plain model).
   attention: str = 'auto'  # one of attention.IMPLEMENTATIONS
@@ -80,6 +92,11 @@ class ModelConfig:
     check_remat(self.remat, 'remat')
     if self.attention_block < 1:
       raise ValueError(f'attention_block={self.attention_block} must be >= 1')
+    if self.mrope_section is not None and (
+        len(self.mrope_section) != 3
+        or sum(self.mrope_section) != self.head_dim // 2):
+      raise ValueError(f'mrope_section={self.mrope_section} must be 3 sizes '
+                       f'summing to head_dim / 2 = {self.head_dim // 2}')
 
 
 RUN_OPTIONS = ('attention', 'attention_block', 'scan_layers', 'remat')
@@ -173,15 +190,29 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
   return jnp.where(is_medium, mixed, out)
 
 
-def apply_rope(x_BxTxNxDh, positions_BxT, inv_freq):
-  """Rotary embedding in the 'rotate half' layout used by HF checkpoints."""
-  angles_BxTxF = (positions_BxT[..., None].astype(jnp.float32)
-                  * inv_freq[None, None, :])
-  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
-  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
-  x1, x2 = jnp.split(x_BxTxNxDh.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxDh.dtype)
+def mrope_axes(config: ModelConfig) -> np.ndarray:
+  """[Dh/2]: the position axis (0 t, 1 h, 2 w) of each rotary frequency.
+
+  Qwen3-VL interleaves them: frequency 3i+1 follows h for i < section[1],
+  3i+2 follows w for i < section[2], every other one follows t.
+  """
+  axis_F = np.zeros(config.head_dim // 2, np.int32)
+  _, h, w = config.mrope_section
+  axis_F[1:3 * h:3] = 1
+  axis_F[2:3 * w:3] = 2
+  return axis_F
+
+
+def rope_angles(config: ModelConfig, positions):
+  """Rotary angles [B, T, Dh/2] for positions [B, T] or [B, T, 3] (t, h, w)."""
+  inv_freq = rope_inv_freq(config)
+  if positions.ndim == 2:
+    return positions[..., None].astype(jnp.float32) * inv_freq[None, None]
+  if config.mrope_section is None:
+    raise ValueError(f'positions of shape {positions.shape}: 3-axis positions '
+                     'need a model with mrope_section (Qwen3-VL)')
+  positions_BxTxF = jnp.take(positions, mrope_axes(config), axis=-1)
+  return positions_BxTxF.astype(jnp.float32) * inv_freq[None, None]
 
 
 class Attention(nnx.Module):
@@ -207,7 +238,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(dh, c.rms_norm_eps, pd, 'head_dim', stack)
       self.k_norm = RMSNorm(dh, c.rms_norm_eps, pd, 'head_dim', stack)
 
-  def __call__(self, x_BxTxD, positions_BxT, inv_freq, attend):
+  def __call__(self, x_BxTxD, angles_BxTxF, attend):
     """attend(q, k, v) -> (out [B, T, H, Dh], aux); returns (output, aux)."""
     c = self.config
     dt = x_BxTxD.dtype
@@ -220,8 +251,8 @@ class Attention(nnx.Module):
       v = v + self.bv[...].astype(dt)[None, None]
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = apply_rope(q, positions_BxT, inv_freq)
-    k = apply_rope(k, positions_BxT, inv_freq)
+    q = attention.rotary(q, angles_BxTxF)
+    k = attention.rotary(k, angles_BxTxF)
     out, aux = attend(q, k, v)
     out = jnp.einsum('BTHd,HdD->BTD', out, self.wo[...].astype(dt))
     if c.o_bias:
@@ -300,9 +331,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.hidden_size, eps, pd, 'norm', stack)
     self.mlp = MLP(config, rngs, stack)
 
-  def __call__(self, x_BxTxD, positions_BxT, inv_freq, attend):
-    h, aux = self.attn(self.attn_norm(x_BxTxD), positions_BxT, inv_freq,
-                       attend)
+  def __call__(self, x_BxTxD, angles_BxTxF, attend):
+    h, aux = self.attn(self.attn_norm(x_BxTxD), angles_BxTxF, attend)
     x_BxTxD = x_BxTxD + h
     x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
     return sharding.constrain(x_BxTxD, ('batch', 'length', 'act_embed')), aux
@@ -339,10 +369,38 @@ class Transformer(nnx.Module):
     if not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.vocab_size, config.hidden_size),
                             ('vocab', 'embed'), pd)
+    if config.vision is not None:
+      self.vision = vision.VisionTower(config.vision, rngs, config.dtype, pd)
 
-  def __call__(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None):
+  def __call__(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
+               pixel_values=None, image_grid_thw=None):
+    """Logits [B, T, V]; with images, the arrays transformers' processing makes.
+
+    Image tokens are found in `tokens_BxT` (the image token id); positions
+    default to the multimodal ones (computed on the host, so `tokens_BxT`
+    must be concrete then).
+    """
+    images = None
+    if pixel_values is not None:
+      if self.config.vision is None:
+        raise ValueError(f'pixel_values given to a {self.config.model_type} '
+                         'model, which has no vision tower')
+      grids = vision.check_grids(self.config.vision, image_grid_thw)
+      images = self.encode_images(vision.patches(self.config.vision,
+                                                 pixel_values, grids))
+      if positions_BxT is None:
+        positions_BxT = jnp.asarray(vision.multimodal_positions(
+            tokens_BxT, mask_BxT, grids, self.config.vision)[0])
     return self.logits(self.hidden(tokens_BxT, positions_BxT=positions_BxT,
-                                   mask_BxT=mask_BxT))
+                                   mask_BxT=mask_BxT, images=images))
+
+  def encode_images(self, patches: vision.Patches) -> vision.ImageTokens:
+    """The vision tower on packed patches (`vision.patches`)."""
+    c = self.config
+    tokens_MxD, deepstack_JxMxD = self.vision(
+        jax.tree.map(jnp.asarray, patches), block=c.attention_block)
+    return vision.ImageTokens(tokens_MxD.astype(c.dtype),
+                       deepstack_JxMxD.astype(c.dtype))
 
   def head_weight(self):
     """The [V, D] output projection (the embedding when tied)."""
@@ -354,9 +412,43 @@ class Transformer(nnx.Module):
                         preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ('batch', 'length', 'act_vocab'))
 
-  def _embed(self, tokens_BxT):
+  def _embed(self, tokens_BxT, images: vision.ImageTokens | None):
+    """(embeddings [B, T, D], add_deepstack(x, layer) or None).
+
+    The i-th image token (row-major over the batch) takes the i-th image
+    token row of `images`; every image token must have one.
+    """
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.config.dtype)
-    return sharding.constrain(x, ('batch', 'length', 'act_embed'))
+    if images is None:
+      return sharding.constrain(x, ('batch', 'length', 'act_embed')), None
+    is_image_BxT = tokens_BxT == self.config.vision.image_token_id
+    slot_BxT = jnp.clip(jnp.cumsum(is_image_BxT.reshape(-1)).reshape(
+        is_image_BxT.shape) - 1, 0, images.tokens_MxD.shape[0] - 1)
+    x = jnp.where(is_image_BxT[..., None],
+                  jnp.take(images.tokens_MxD, slot_BxT, axis=0), x)
+    levels = images.deepstack_JxMxD.shape[0]
+
+    def add_deepstack(x_BxTxD, layer):
+      level_MxD = jnp.take(images.deepstack_JxMxD,
+                           jnp.minimum(layer, levels - 1), axis=0)
+      here_BxT = is_image_BxT & (layer < levels)
+      return x_BxTxD + jnp.where(here_BxT[..., None],
+                                 jnp.take(level_MxD, slot_BxT, axis=0),
+                                 0).astype(x_BxTxD.dtype)
+
+    x = sharding.constrain(x, ('batch', 'length', 'act_embed'))
+    return x, (add_deepstack if levels else None)
+
+  @staticmethod
+  def _with_deepstack(layer_fn, add_deepstack):
+    if add_deepstack is None:
+      return layer_fn
+
+    def layer(block, i, x):
+      x, y = layer_fn(block, i, x)
+      return add_deepstack(x, i), y
+
+    return layer
 
   def _attend(self, mask_BxS, **kwargs):
     c = self.config
@@ -392,30 +484,40 @@ class Transformer(nnx.Module):
       ys.append(y)
     return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
-  def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None):
+  def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
+             images: vision.ImageTokens | None = None):
     """Final-normed hidden states [B, T, D] of a full (uncached) forward.
 
     `mask_BxT` marks real tokens; each row's real tokens must form one run
     (left and/or right padding), as training batches and prompts do.
+    `positions_BxT` may be [B, T, 3] (multimodal); `images` the encoded
+    images of the image tokens in `tokens_BxT`.
     """
     if mask_BxT is None:
       mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     mask_BxT = mask_BxT.astype(bool)
     if positions_BxT is None:
       positions_BxT = default_positions(mask_BxT)
-    inv_freq = rope_inv_freq(self.config)
+    angles_BxTxF = rope_angles(self.config, positions_BxT)
     attend = self._attend(mask_BxT, contiguous=True)
 
     def layer(block, _, x):
-      return block(x, positions_BxT, inv_freq,
+      return block(x, angles_BxTxF,
                    lambda q, k, v: (attend(q, k, v), None))[0], None
 
-    x, _ = self._run_layers(layer, self._embed(tokens_BxT), self.config.remat)
+    x, add_deepstack = self._embed(tokens_BxT, images)
+    x, _ = self._run_layers(self._with_deepstack(layer, add_deepstack), x,
+                            self.config.remat)
     return self.final_norm(x)
 
   def decode(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache, *,
-             head_DxV=None, fresh: bool = False):
+             head_DxV=None, fresh: bool = False,
+             images: vision.ImageTokens | None = None):
     """Appends T tokens to the cache; returns (logits [B, T, V], cache).
+
+    `positions_BxT` may be [B, T, 3] and `images` the encoded images of the
+    chunk's image tokens (see `hidden`); the cache then holds them as keys
+    and values for every later call.
 
     Query t (cache slot `index + t`) attends to earlier real slots only.
     `fresh`: the cache is empty (index 0), so the chunk attends within itself
@@ -428,7 +530,7 @@ class Transformer(nnx.Module):
     index = cache.index
     mask_BxS = jax.lax.dynamic_update_slice(
         cache.mask_BxS, mask_BxT.astype(bool), (0, index))
-    inv_freq = rope_inv_freq(c)
+    angles_BxTxF = rope_angles(c, positions_BxT)
     if fresh:
       attend = self._attend(mask_BxT.astype(bool), contiguous=True)
     else:
@@ -455,10 +557,11 @@ class Transformer(nnx.Module):
           out = attend(q, with_chunk(cache.k, k), with_chunk(cache.v, v))
         return out, (k, v)
 
-      return block(x, positions_BxT, inv_freq, attend_cached)
+      return block(x, angles_BxTxF, attend_cached)
 
+    x, add_deepstack = self._embed(tokens_BxT, images)
     x, (k_LxBxTxKxDh, v_LxBxTxKxDh) = self._run_layers(
-        layer, self._embed(tokens_BxT))
+        self._with_deepstack(layer, add_deepstack), x)
     write = lambda all_, new: sharding.constrain(
         jax.lax.dynamic_update_slice(all_, new.astype(all_.dtype),
                                      (0, 0, index, 0, 0)), CACHE_AXES)
