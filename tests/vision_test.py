@@ -23,6 +23,8 @@ from rla_jax.models import hf
 from rla_jax.models import hf_vision
 from rla_jax.models import vision
 
+import train_test  # pylint: disable=g-bad-import-order
+
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
@@ -288,21 +290,15 @@ def vl_examples(processor, n, seed=0):
 
 
 def vl_trainer(model, **overrides):
-  values = dict(
-      micro_batch_size=2, updates_per_epoch=1, global_batch_size=0,
-      max_prompt_len=48, max_response_len=8, overlong_prompt='truncate',
-      prompt_buckets=(48,), response_buckets=(8,), clip_eps=0.2,
-      kl_coef=0.0, entropy_coef=0.0, log_ratio_clamp=10.0,
-      aggregation='sequence', compute_entropy=False, head_chunk=0,
-      remat=False, shuffle=False, seed=0, logprob_gap_warn=0.05,
-      max_nonfinite_steps=8)
+  """A policy Trainer of `model` for prompts with images (up to 48 tokens)."""
+  values = dict(micro_batch_size=2, updates_per_epoch=1, max_prompt_len=48,
+                max_response_len=8, overlong_prompt='truncate',
+                prompt_buckets=(48,), response_buckets=(8,), kl_coef=0.0,
+                compute_entropy=False, head_chunk=0)
   values.update(overrides)
-  optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-3, schedule='constant', warmup_steps=0, decay_steps=0,
-      min_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
-      max_grad_norm=1.0, reset_every_epoch=False))
-  return train.Trainer(nnx.split(model)[0], optim,
-                       ml_collections.ConfigDict(values))
+  return train.Trainer(nnx.split(model)[0],
+                       train_test.optim_config(learning_rate=1e-3),
+                       train_test.train_config(**values))
 
 
 def test_train_steps_take_images(folder):
