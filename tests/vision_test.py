@@ -1,5 +1,6 @@
 """Qwen3-VL: logits, generation and checkpoints against transformers."""
 
+import dataclasses
 import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
@@ -21,6 +22,7 @@ from rla_jax import structs
 from rla_jax import train
 from rla_jax.models import hf
 from rla_jax.models import hf_vision
+from rla_jax.models import transformer
 from rla_jax.models import vision
 
 import train_test  # pylint: disable=g-bad-import-order
@@ -450,3 +452,25 @@ def test_judge_and_feedback_carry_images(folder):
   state, metrics = train.update(rm, state, examples, epoch=0)
   assert metrics['steps'] == 1 and metrics['dropped'] == 0
   assert metrics['logprob_gap_mean'] < 1e-4  # sampler and trainer agree
+
+
+def test_tower_remat_keeps_gradients(folder):
+  _, model, processor = folder
+  arrays = prompt_arrays(processor, f'a {IMG} b', 1)
+  patches = vision.patches(model.config.vision, arrays['pixel_values'],
+                           arrays['image_grid_thw'])
+  state = nnx.state(model)
+
+  def grads(remat):
+    config = dataclasses.replace(model.config, remat=remat)
+    graphdef = nnx.split(transformer.abstract_model(config))[0]
+    loss = lambda st: jnp.sum(jnp.sin(nnx.merge(graphdef, st).encode_images(
+        patches).tokens_MxD))
+    remats = str(jax.make_jaxpr(loss)(state)).count('remat')
+    assert remats == (0 if remat == 'none' else config.vision.depth)
+    return jax.jit(jax.grad(loss))(state)
+
+  want = jax.tree.leaves(grads('none'))
+  for policy in ('full', 'dots_saveable'):
+    for g, w in zip(jax.tree.leaves(grads(policy)), want, strict=True):
+      np.testing.assert_allclose(g, w, atol=1e-6)

@@ -1,10 +1,8 @@
 """Decoder-only transformer (Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3) in Flax NNX.
 
-With a `vision` config it is Qwen3-VL: the vision tower (`vision.py`) turns
-images into tokens spliced over the text's image tokens, its deepstack
-features are added to those tokens' hidden states after the first decoder
-layers, and rotary positions have three axes (t, h, w) whose frequencies
-interleave (`mrope_section`).
+With a `vision` config it is Qwen3-VL: the tower's (`vision.py`) tokens
+replace the text's image tokens, its deepstack features are added to them
+after the first layers, and RoPE has three position axes (`mrope_section`).
 
 Dimension letters used in names and einsums:
   B batch, T query tokens, S key/cache slots, D model width, H query heads,
@@ -395,12 +393,16 @@ class Transformer(nnx.Module):
                                    mask_BxT=mask_BxT, images=images))
 
   def encode_images(self, patches: vision.Patches) -> vision.ImageTokens:
-    """The vision tower on packed patches (`vision.patches`)."""
+    """The vision tower on packed patches (`vision.patches`), its blocks
+    rematerialised like the decoder's layers (`remat`)."""
     c = self.config
+    checkpoint = None if c.remat == 'none' else (
+        lambda fn: _remat(fn, c.remat, prevent_cse=True))
     tokens_MxD, deepstack_JxMxD = self.vision(
-        jax.tree.map(jnp.asarray, patches), block=c.attention_block)
+        jax.tree.map(jnp.asarray, patches), block=c.attention_block,
+        checkpoint=checkpoint)
     return vision.ImageTokens(tokens_MxD.astype(c.dtype),
-                       deepstack_JxMxD.astype(c.dtype))
+                              deepstack_JxMxD.astype(c.dtype))
 
   def head_weight(self):
     """The [V, D] output projection (the embedding when tied)."""

@@ -361,7 +361,10 @@ class VisionTower(nnx.Module):
     self.deepstack = nnx.List([Merger(config, rngs, pd, postshuffle=True)
                                for _ in config.deepstack_indexes])
 
-  def __call__(self, patches_: Patches, *, block: int = 512):
+  def __call__(self, patches_: Patches, *, block: int = 512,
+               checkpoint=None):
+    """`checkpoint(fn)`: what the backward pass keeps of each block (remat);
+    it wraps fn(block state, x) -> x. None keeps everything."""
     c, dt = self.config, self.dtype
     x_NxE = (patches_.pixels_NxP.astype(dt) @ self.patch_w[...].astype(dt)
              + self.patch_b[...].astype(dt)[None])
@@ -372,7 +375,12 @@ class VisionTower(nnx.Module):
     x_NxE = sharding.constrain(x_NxE + pos_NxE.astype(dt), (None, 'act_embed'))
     levels = []
     for i, blk in enumerate(self.blocks):
-      x_NxE = blk(x_NxE, patches_.angles_NxF, patches_.segment_N, block)
+      if checkpoint is None:
+        x_NxE = blk(x_NxE, patches_.angles_NxF, patches_.segment_N, block)
+      else:
+        graphdef, state = nnx.split(blk)
+        x_NxE = checkpoint(lambda st, x, g=graphdef: nnx.merge(g, st)(
+            x, patches_.angles_NxF, patches_.segment_N, block))(state, x_NxE)
       if i in c.deepstack_indexes:
         levels.append(self.deepstack[c.deepstack_indexes.index(i)](x_NxE))
     tokens_MxD = self.merger(x_NxE)
