@@ -241,7 +241,8 @@ def check_batch_field_names():
   from rla_jax import batching  # pylint: disable=g-import-not-at-top
   names = {f.name for f in dataclasses.fields(batching.Batch)}
   expected = {'tokens_MxBxT', 'mask_MxBxT', 'response_mask_MxBxR',
-              'advantages_MxB', 'old_logp_MxBxR', 'ref_logp_MxBxR'}
+              'advantages_MxB', 'old_logp_MxBxR', 'ref_logp_MxBxR',
+              'positions_MxBxTx3', 'patches'}
   if not expected <= names or len(names - expected) > 0:
     raise RuntimeError(f'batching.Batch fields changed: {sorted(names)}')
 
