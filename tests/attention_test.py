@@ -164,7 +164,7 @@ def test_chunked_segments_are_bidirectional_blocks(block):
   t = 37
   q, k, v = _qkv(t, seed=3)
   segment = np.full((B, t), -1, np.int32)  # -1: padding
-  segment[0, :20], segment[0, 20:30] = 0, 1
+  segment[0, :9], segment[0, 9:20], segment[0, 20:30] = 0, 1, 2
   segment[1, :11], segment[1, 11:35] = 0, 1
   mask = jnp.asarray(segment >= 0)
   w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
@@ -172,7 +172,7 @@ def test_chunked_segments_are_bidirectional_blocks(block):
   def reference(q, k, v):  # each segment on its own, no causal mask
     out = jnp.zeros_like(q)
     for b in range(B):
-      for s in (0, 1):
+      for s in range(segment[b].max() + 1):
         idx = np.flatnonzero(segment[b] == s)
         one = lambda x: x[b:b + 1, idx]
         full = jnp.ones((1, len(idx)), bool)

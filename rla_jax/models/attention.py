@@ -164,6 +164,9 @@ def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
 
   `segment_BxS` (self-attention, T == S): query t sees key s only when both
   have the same segment id, e.g. the patches of one image in a packed row.
+  Ids are nondecreasing along a row, padding (-1) only at its end; blocks
+  of different segments are skipped, so packed images cost what they would
+  one by one (plus block rounding).
   """
   b, t, h, dh = q_BxTxHxDh.shape
   s, kv = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
@@ -216,6 +219,21 @@ def _scores(q_BxKxRxDh, k_BxKxSxDh, mask_BxS, slots_R, j, bk: int,
   return jnp.where(visible, s, -jnp.inf)
 
 
+def _span(segments_BxTp, start, size: int, block: int):
+  """Blocks [lo, hi) holding every slot whose segment occurs in the slots
+  [start, start + size) of some row (the ids are sorted, padding last)."""
+  if segments_BxTp is None:
+    return None
+  ids = jnp.where(segments_BxTp < 0, jnp.iinfo(jnp.int32).max, segments_BxTp)
+  first = jax.lax.dynamic_index_in_dim(ids, start, 1, keepdims=False)
+  last = jax.lax.dynamic_index_in_dim(ids, start + size - 1, 1,
+                                      keepdims=False)
+  find = jax.vmap(jnp.searchsorted, (0, 0, None))
+  lo = jnp.min(find(ids, first, 'left'))
+  hi = jnp.max(find(ids, last, 'right'))
+  return lo // block, (hi - 1) // block + 1
+
+
 def _same_segment(segments_BxTp, i, j, bq: int, bk: int, g: int):
   """[B, R, S]: query row and key share a segment (None: no segments)."""
   if segments_BxTp is None:
@@ -237,6 +255,9 @@ def _forward(q, k, v, mask, q_offset, segments, bq: int, bk: int):
     q_i = _take(q, i * bq, bq, 2).reshape(b, kv, bq * g, dh)
     slots_R = _row_slots(i, q_offset, bq, g)
     lo, hi = _key_range(mask, q_offset, i, bq, bk)
+    if segments is not None:  # only the key blocks of this block's segments
+      seg_lo, seg_hi = _span(segments, i * bq, bq, bk)
+      lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
 
     def key_block(j, carry):
       m_BxKxR, l_BxKxR, acc_BxKxRxDh = carry
@@ -296,6 +317,10 @@ def _flash_bwd(bq, bk, residuals, dout):
     mask_j = _take(mask, j * bk, bk, 1)
     # First query block whose last slot reaches this key block.
     first = jnp.maximum(0, -(-(j * bk - q_offset + 1) // bq) - 1)
+    end = nq
+    if segments is not None:  # only the query blocks of its segments
+      seg_first, end = _span(segments, j * bk, bk, bq)
+      first = jnp.maximum(first, seg_first)
 
     def query_block(i, inner):
       dq, dk_j, dv_j = inner
@@ -321,7 +346,8 @@ def _flash_bwd(bq, bk, residuals, dout):
       return dq, dk_j, dv_j
 
     zeros = jnp.zeros((b, kv, bk, dh), jnp.float32)
-    dq, dk_j, dv_j = jax.lax.fori_loop(first, nq, query_block,
+    dq, dk_j, dv_j = jax.lax.fori_loop(first, jnp.maximum(first, end),
+                                       query_block,
                                        (dq, zeros, zeros))
     dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, 2)
     dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, 2)
