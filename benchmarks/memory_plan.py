@@ -26,9 +26,13 @@ keep less).
       --meshes=8xh200 --settings=osworld
   .venv/bin/python benchmarks/memory_plan.py --tiny  # seconds (tests)
 
-Qwen3-VL-8B: once rla_jax/models has its vision tower, add an entry to
-MODELS (its text decoder's shapes; `image_tokens` of each prompt become
-vision-tower activations) and to PAIRS for OSWorld.
+Qwen3-VL-8B (pair `qwen3-vl-8b`, OSWorld only): each training sequence
+holds IMAGES screenshots (the agent's 3-image history, 1920x1080 each at
+Qwen3-VL's default settings: 8,160 patches, 2,040 image tokens); the train
+steps and the sampler run the vision tower on them in the program.
+
+  .venv/bin/python benchmarks/memory_plan.py --pairs=qwen3-vl-8b \
+      --meshes=8xh200,v5p-64 --settings=osworld
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ MODELS = {
                      intermediate_size=12288, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, rope_theta=1e6,
                      qk_norm=True),
+    'qwen3-vl-8b': dict(model_type='qwen3_vl', vocab_size=151936,
+                        hidden_size=4096, intermediate_size=12288,
+                        num_layers=36, num_heads=32, num_kv_heads=8,
+                        head_dim=128, rope_theta=5e6, qk_norm=True,
+                        mrope_section=(24, 20, 20), vision='qwen3-vl'),
     'qwen2.5-14b': dict(model_type='qwen2', vocab_size=152064,
                         hidden_size=5120, intermediate_size=13824,
                         num_layers=48, num_heads=40, num_kv_heads=8,
@@ -70,11 +79,21 @@ MODELS = {
                  num_kv_heads=2, head_dim=16, qkv_bias=True,
                  tie_word_embeddings=True),
 }
+VISION = {  # vision_config of Qwen3-VL-8B-Instruct/-Thinking
+    'qwen3-vl': dict(depth=27, hidden_size=1152, intermediate_size=4304,
+                     num_heads=16, out_hidden_size=4096, patch_size=16,
+                     temporal_patch_size=2, spatial_merge_size=2,
+                     num_position_embeddings=2304,
+                     deepstack_indexes=(8, 16, 24)),
+}
+# setting: (images per sequence, patches per image) for vision models.
+IMAGES = {'osworld': (3, 68 * 120)}
 # (policy, reward model) trained together.
 PAIRS = {
     'qwen2.5-7b': ('qwen2.5-7b', 'qwen2.5-7b'),
     'qwen3-8b': ('qwen3-8b', 'qwen3-8b'),
     'qwen2.5-7b+14b-rm': ('qwen2.5-7b', 'qwen2.5-14b'),
+    'qwen3-vl-8b': ('qwen3-vl-8b', 'qwen3-vl-8b'),
     'tiny': ('tiny', 'tiny'),
 }
 HEADROOM = 0.15
@@ -130,9 +149,22 @@ class Planner:
 
   def model_config(self, name):
     from rla_jax.models import transformer  # pylint: disable=g-import-not-at-top
+    from rla_jax.models import vision  # pylint: disable=g-import-not-at-top
+    fields = dict(MODELS[name])
+    if 'vision' in fields:
+      fields['vision'] = vision.VisionConfig(**VISION[fields['vision']])
     return transformer.ModelConfig(
-        **MODELS[name], dtype='bfloat16', param_dtype='float32',
+        **fields, dtype='bfloat16', param_dtype='float32',
         attention='auto', scan_layers=True)
+
+  def image_patches(self, model, setting) -> int:
+    """Patches of the images of one sequence (0: a text model)."""
+    if 'vision' not in MODELS[model]:
+      return 0
+    if setting not in IMAGES:
+      raise ValueError(f'{model} has images only in settings {list(IMAGES)}')
+    per_sequence, patches = IMAGES[setting]
+    return per_sequence * patches
 
   def batch_ways(self, mesh) -> int:
     spec = self.sharding.spec(('batch',), None, mesh, self.rules)[0] or ()
@@ -212,6 +244,15 @@ class Planner:
         advantages_MxB=sds((1, micro), jnp.float32),
         old_logp_MxBxR=sds((1, micro, response), jnp.float32),
         ref_logp_MxBxR=sds((1, micro, response), jnp.float32))
+    patches = self.image_patches(model, setting)
+    if patches:
+      from rla_jax.models import vision  # pylint: disable=g-import-not-at-top
+      config = self.model_config(model).vision
+      batch = batch.replace(
+          positions_MxBxTx3=sds((1, micro, t, 3), jnp.int32),
+          patches=vision.abstract_patches(
+              config, vision.bucket_length(config, patches),
+              lead=(1, micro)))
     state = self._abstract_state(trainer, params)
     with self.sharding.use(mesh, self.rules):
       return trainer._step.lower(state, batch)  # pylint: disable=protected-access
@@ -232,7 +273,9 @@ class Planner:
     rows = self.args.sample_rows * self.batch_ways(mesh)
     return sampler.lower(graphdef, params, rows, prompt, response,
                          params_sampling=sampling.Params(0.8, 0.95),
-                         stop_token_ids=(0,), mesh=mesh, rules=self.rules)
+                         stop_token_ids=(0,), mesh=mesh, rules=self.rules,
+                         vision_config=self.model_config(model).vision,
+                         image_patches=self.image_patches(model, setting))
 
 
 def check_batch_field_names():

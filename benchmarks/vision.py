@@ -1,4 +1,4 @@
-"""Qwen3-VL on this CPU: vision tower, screenshot prefill and decode, ours vs torch.
+"""Qwen3-VL on this CPU: tower, screenshot prefill and decode, ours vs torch.
 
   .venv/bin/python benchmarks/vision.py [--rounds=3] [--new-tokens=32]
 
@@ -119,7 +119,7 @@ def main():
   packed = vision.patches(c, arrays['pixel_values'], arrays['image_grid_thw'])
   graphdef, state = nnx.split(model)
   tower = jax.jit(
-      lambda s, p: nnx.merge(graphdef, s).encode_images(p).tokens_MxD)
+      lambda s, p: nnx.merge(graphdef, s).encode_images(p).tokens_BxMxD)
   pixels_t = torch.from_numpy(arrays['pixel_values'])
   grid_t = torch.from_numpy(arrays['image_grid_thw']).long()
   ids_t = torch.from_numpy(arrays['input_ids']).long()

@@ -9,9 +9,9 @@ Prompt and response lengths are rounded up to configured buckets and M to a
 power of two, which keeps the number of compiled programs small; padding
 micro-batches are skipped on the device.
 
-Examples with images (Qwen3-VL) add, per micro-batch, the packed patches of
-its rows' images (padded to one bucket length N for the step) and the rows'
-multimodal positions [M, B, T, 3].
+Examples with images (Qwen3-VL) add each row's patches (padded to one bucket
+length N for the step, [M, B, N, ...]) and multimodal positions
+[M, B, T, 3].
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Batch:
   advantages_MxB: np.ndarray  # float32: one scalar per sequence
   old_logp_MxBxR: np.ndarray  # float32: log pi_old, from the log-prob pass
   ref_logp_MxBxR: np.ndarray  # float32: KL reference (pi_old by default)
-  # With images: positions (t, h, w) and each micro-batch's patches [M, N, ...].
+  # With images: positions (t, h, w) and each row's patches [M, B, N, ...].
   positions_MxBxTx3: np.ndarray | None = None
   patches: vision.Patches | None = None
 
@@ -155,28 +155,27 @@ def pack(examples: Sequence[structs.Example], *, micro_batch_size: int,
 
 
 def _with_images(batch: Batch, examples, config) -> Batch:
-  """The batch with each micro-batch's patches and multimodal positions."""
+  """The batch with its rows' patches and multimodal positions."""
   if config is None:
     raise ValueError('examples with images need a model with a vision tower')
   m, b, _ = batch.tokens_MxBxT.shape
   rows = list(examples) + [None] * (m * b - len(examples))
-  groups = []  # per micro-batch: (pixel arrays, grids)
-  for i in range(m):
-    pixels, grids = [], []
-    for e in rows[i * b:(i + 1) * b]:
-      if e is not None and e.images is not None:
-        pixels.append(np.asarray(e.images.pixel_values, np.float32))
-        grids += vision.check_grids(config, e.images.grids)
-    groups.append((pixels, tuple(grids)))
-  length = max(vision.bucket_length(config, sum(len(p) for p in pixels))
-               for pixels, _ in groups)
+  held = [e.images if e is not None else None for e in rows]
+  grids = [() if i is None else vision.check_grids(config, i.grids)
+           for i in held]
+  length = vision.bucket_length(config, max(
+      sum(t * h * w for t, h, w in g) for g in grids))
   positions, patches = [], []
-  for i, (pixels, grids) in enumerate(groups):
+  for i in range(m):
+    mine = range(i * b, (i + 1) * b)
+    pixels = [np.asarray(held[r].pixel_values, np.float32) for r in mine
+              if held[r] is not None]
+    flat = tuple(g for r in mine for g in grids[r])
     positions.append(vision.multimodal_positions(
-        batch.tokens_MxBxT[i], batch.mask_MxBxT[i], grids, config)[0])
+        batch.tokens_MxBxT[i], batch.mask_MxBxT[i], flat, config)[0])
     patches.append(vision.patches(
         config, np.concatenate(pixels) if pixels else
-        np.zeros((0, config.patch_dim), np.float32), grids, length))
+        np.zeros((0, config.patch_dim), np.float32), flat,
+        [len(grids[r]) for r in mine], length))
   return batch.replace(positions_MxBxTx3=np.stack(positions),
                        patches=jax.tree.map(lambda *a: np.stack(a), *patches))
-

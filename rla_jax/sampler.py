@@ -237,11 +237,15 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
           *, params_sampling: sampling.Params = sampling.Params(),
           num_samples: int = 1, stop_token_ids: Sequence[int] = (),
           transpose_head: bool = False, mesh=None,
-          rules: tuple = sharding.DEFAULT_RULES):
+          rules: tuple = sharding.DEFAULT_RULES,
+          vision_config: vision.VisionConfig | None = None,
+          image_patches: int = 0):
   """The generation program of a fresh batch, lowered but not run.
 
   For memory plans and cost analyses: `params` may be ShapeDtypeStructs
-  (with shardings, on a mesh); nothing is allocated.
+  (with shardings, on a mesh); nothing is allocated. `image_patches` > 0:
+  each prompt holds that many image patches (a Qwen3-VL model of
+  `vision_config`), which the tower encodes in the program.
   """
   plan = _Plan(params_sampling, max_new_tokens, num_samples,
                tuple(stop_token_ids), prompt_len + max_new_tokens,
@@ -252,13 +256,21 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
     return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
   rows = (batch, prompt_len)
+  images = ()
+  if image_patches:
+    patches = vision.abstract_patches(
+        vision_config, vision.bucket_length(vision_config, image_patches),
+        lead=(batch,))
+    images = (jax.tree.map(lambda a: arg(a.shape, a.dtype, (
+        'batch',) + (None,) * (a.ndim - 1)), patches),
+              arg(rows + (3,), jnp.int32, ('batch', 'length', None)))
   with sharding.use(mesh, rules):
     return _generate_jit.lower(
         _graph(graphdef), params, None,
         arg(rows, jnp.int32, ('batch', 'length')),
         arg(rows, bool, ('batch', 'length')),
         arg((batch,), jnp.int32, ('batch',)), arg((batch,), bool, ('batch',)),
-        np.uint32(0), plan=plan)
+        np.uint32(0), *images, plan=plan)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -396,8 +408,8 @@ def _image_positions(model, chunk, mask, start_B, shifts, images, rows):
                      'which has no vision tower')
   pixels, grids = images
   grids = vision.check_grids(config, grids)
-  relative_BxCx3, next_B = vision.multimodal_positions(chunk, mask, grids,
-                                                       config)
+  relative_BxCx3, next_B, per_row = vision.multimodal_positions(
+      chunk, mask, grids, config)
   ends = chunk[:len(rows.chunks), -1] == config.image_token_id
   if ends.any():
     raise ValueError(f'prompt {int(np.argmax(ends))} ends in an image token; '
@@ -406,8 +418,8 @@ def _image_positions(model, chunk, mask, start_B, shifts, images, rows):
                        relative_BxCx3 + start_B[:, None, None], 0)
   new_shifts = [s + int(n) - len(c)
                 for s, n, c in zip(shifts, next_B, rows.chunks)]
-  return (vision.patches(config, pixels, grids), positions.astype(np.int32),
-          new_shifts)
+  return (vision.patches(config, pixels, grids, per_row),
+          positions.astype(np.int32), new_shifts)
 
 
 def generate(model: transformer.Transformer,
@@ -510,8 +522,8 @@ def generate(model: transformer.Transformer,
   if images is not None:
     patches, positions, shifts = _image_positions(
         model, chunk, mask, start, shifts, images, rows)
-    extra = (jax.tree.map(lambda a: _put(a, mesh, rules, (None,) * a.ndim),
-                          patches),
+    extra = (jax.tree.map(lambda a: _put(a, mesh, rules, (
+        'batch',) + (None,) * (a.ndim - 1)), patches),
              _put(positions, mesh, rules, ('batch', 'length', None)))
   live = np.zeros(rows.batch, bool)
   live[:len(prompts)] = [p is not None for p in prompts]

@@ -162,15 +162,21 @@ def test_save_round_trip_loads_in_transformers(tmp_path):
   reloaded, _ = hf.load(str(tmp_path / 'b'))
   np.testing.assert_array_equal(ours_logits(reloaded, arrays),
                                 ours_logits(model, arrays))
+  scanned, _ = hf.load(str(tmp_path / 'a'), scan_layers=True)
+  hf.save(scanned, str(tmp_path / 'c'), processor)  # stacked layers out
+  again = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+      str(tmp_path / 'c'), local_files_only=True).eval()
+  np.testing.assert_allclose(torch_logits(again, arrays),
+                             torch_logits(theirs, arrays), atol=1e-6)
 
 
 def test_sharded_equals_single_device(tmp_path):
   write_folder(str(tmp_path), (0, 1), False)
   single, processor = hf.load(str(tmp_path))
   mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
-  sharded, _ = hf.load(str(tmp_path), mesh=mesh)
-  wqkv = sharded.vision.blocks[0].wqkv[...]
-  assert len(wqkv.sharding.device_set) == 8
+  sharded, _ = hf.load(str(tmp_path), mesh=mesh, scan_layers=True)
+  wqkv = sharded.vision.blocks.wqkv[...]  # stacked: [depth, E, 3, H, Dh]
+  assert wqkv.shape[0] == 3 and len(wqkv.sharding.device_set) == 8
   assert not wqkv.sharding.is_fully_replicated
   arrays = processor(TEXTS[2][0].replace('<|image_pad|>',
                                          hf_vision.IMAGE_PLACEHOLDER),
@@ -190,9 +196,14 @@ def test_sharded_equals_single_device(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def folder(tmp_path_factory):
+def folder_path(tmp_path_factory):
   path = str(tmp_path_factory.mktemp('qwen3vl'))
-  theirs = write_folder(path, (0, 1), False)
+  return path, write_folder(path, (0, 1), False)
+
+
+@pytest.fixture(scope='module')
+def folder(folder_path):
+  path, theirs = folder_path
   model, processor = hf.load(path)
   return theirs, model, processor
 
@@ -311,7 +322,7 @@ def test_train_steps_take_images(folder):
   batch = batching.pack(exs, micro_batch_size=2, prompt_buckets=(48,),
                         response_buckets=(8,),
                         vision_config=model.config.vision)
-  assert batch.patches.pixels_NxP.shape[:2] == (4, 64)  # M, bucketed N
+  assert batch.patches.pixels_BxNxP.shape[:3] == (4, 2, 64)  # M, B, N
   old = np.asarray(trainer.logprobs(state.params, batch)).reshape(8, 8)
   for row, e in enumerate(exs):  # pi_old equals the plain forward
     arrays = {} if e.images is None else dict(
@@ -454,8 +465,11 @@ def test_judge_and_feedback_carry_images(folder):
   assert metrics['logprob_gap_mean'] < 1e-4  # sampler and trainer agree
 
 
-def test_tower_remat_keeps_gradients(folder):
+@pytest.mark.parametrize('scan', [False, True])
+def test_tower_remat_keeps_gradients(folder, folder_path, scan):
   _, model, processor = folder
+  if scan:  # stacked blocks: a scan per stretch between deepstack taps
+    model, _ = hf.load(folder_path[0], scan_layers=True)
   arrays = prompt_arrays(processor, f'a {IMG} b', 1)
   patches = vision.patches(model.config.vision, arrays['pixel_values'],
                            arrays['image_grid_thw'])
@@ -465,12 +479,20 @@ def test_tower_remat_keeps_gradients(folder):
     config = dataclasses.replace(model.config, remat=remat)
     graphdef = nnx.split(transformer.abstract_model(config))[0]
     loss = lambda st: jnp.sum(jnp.sin(nnx.merge(graphdef, st).encode_images(
-        patches).tokens_MxD))
-    remats = str(jax.make_jaxpr(loss)(state)).count('remat')
-    assert remats == (0 if remat == 'none' else config.vision.depth)
+        patches).tokens_BxMxD))
+    jaxpr = str(jax.make_jaxpr(loss)(state))
+    if remat == 'none':
+      assert 'remat' not in jaxpr
+    elif scan:  # (the printer shares the stretches' identical bodies)
+      assert jaxpr.count('remat') >= 1
+    else:
+      assert jaxpr.count('remat') == config.vision.depth
     return jax.jit(jax.grad(loss))(state)
 
   want = jax.tree.leaves(grads('none'))
   for policy in ('full', 'dots_saveable'):
     for g, w in zip(jax.tree.leaves(grads(policy)), want, strict=True):
       np.testing.assert_allclose(g, w, atol=1e-6)
+  if scan:  # the same tower as unrolled blocks
+    tokens = lambda m: m.encode_images(patches).tokens_BxMxD
+    np.testing.assert_allclose(tokens(model), tokens(folder[1]), atol=1e-5)

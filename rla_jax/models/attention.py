@@ -184,8 +184,8 @@ def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
   if segment_BxS is not None:
     if t != s or nq * bq != nk * bk:
       raise ValueError('segment ids need self-attention (T == S)')
-    segments = jnp.pad(segment_BxS.astype(jnp.int32), ((0, 0), (0, nk * bk - s)),
-                       constant_values=-1)
+    segments = jnp.pad(segment_BxS.astype(jnp.int32),
+                       ((0, 0), (0, nk * bk - s)), constant_values=-1)
   out = _flash(q, k, v, mask, jnp.asarray(q_offset, jnp.int32), segments, bq,
                bk)
   return out.transpose(0, 2, 1, 3, 4)[:, :t].reshape(b, t, h, dh)
@@ -221,17 +221,19 @@ def _scores(q_BxKxRxDh, k_BxKxSxDh, mask_BxS, slots_R, j, bk: int,
 
 def _span(segments_BxTp, start, size: int, block: int):
   """Blocks [lo, hi) holding every slot whose segment occurs in the slots
-  [start, start + size) of some row (the ids are sorted, padding last)."""
-  if segments_BxTp is None:
-    return None
-  ids = jnp.where(segments_BxTp < 0, jnp.iinfo(jnp.int32).max, segments_BxTp)
+  [start, start + size) of some row (the ids are sorted, padding last);
+  padding sees nothing, so a span of padding only is empty."""
+  pad = jnp.iinfo(jnp.int32).max
+  ids = jnp.where(segments_BxTp < 0, pad, segments_BxTp)
   first = jax.lax.dynamic_index_in_dim(ids, start, 1, keepdims=False)
   last = jax.lax.dynamic_index_in_dim(ids, start + size - 1, 1,
                                       keepdims=False)
+  last = jnp.where(last == pad, jnp.max(jnp.where(ids == pad, -1, ids), 1),
+                   last)  # the last real segment of the row
   find = jax.vmap(jnp.searchsorted, (0, 0, None))
-  lo = jnp.min(find(ids, first, 'left'))
-  hi = jnp.max(find(ids, last, 'right'))
-  return lo // block, (hi - 1) // block + 1
+  lo = jnp.min(jnp.where(first == pad, ids.shape[1], find(ids, first, 'left')))
+  hi = jnp.max(jnp.where(first == pad, 0, find(ids, last, 'right')))
+  return lo // block, jnp.maximum(lo // block, (hi - 1) // block + 1)
 
 
 def _same_segment(segments_BxTp, i, j, bq: int, bk: int, g: int):

@@ -220,7 +220,7 @@ def _param_table(c: ModelConfig) -> list[_Entry]:
                          (('final_norm', 'scale'), (f'{lm}norm.weight',),
                           ident, ident)]
   if c.vision is not None:
-    table += hf_vision.param_rows(c.vision)
+    table += hf_vision.param_rows(c.vision, stacked=c.scan_layers)
   if not c.tie_word_embeddings:
     table.append((('lm_head',), ('lm_head.weight',), ident, ident))
   rows = [
@@ -253,6 +253,12 @@ def _param_table(c: ModelConfig) -> list[_Entry]:
                     for p, name, a, b in rows]
   return table + [(('layers', i) + p, names(name, (i,)), a, b)
                   for i in range(c.num_layers) for p, name, a, b in rows]
+
+
+def _stacked(config: ModelConfig, path: tuple) -> bool:
+  """Whether the parameter at `path` stacks its layers ([L, ...])."""
+  return config.scan_layers and (path[0] == 'layers'
+                                 or path[:2] == ('vision', 'blocks'))
 
 
 def _map_safetensors(file: str) -> dict[str, np.ndarray]:
@@ -374,7 +380,7 @@ def from_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray],
   used = set()
   for our_path, names, to_ours, _ in _param_table(config):
     target = _get_path(abstract, our_path)
-    stacked = config.scan_layers and our_path[0] == 'layers'
+    stacked = _stacked(config, our_path)
     shape = tuple(target.shape[1:] if stacked else target.shape)
     views = []
     for name in names:
@@ -414,7 +420,7 @@ def save(model: transformer.Transformer, path: str, tokenizer=None, *,
   tensors = {}
   for our_path, names, _, to_hf in _param_table(config):
     array = sharding.to_host(_get_path(state, our_path))
-    if config.scan_layers and our_path[0] == 'layers':
+    if _stacked(config, our_path):
       tensors.update((name, np.ascontiguousarray(to_hf(array[i])))
                      for i, name in enumerate(names))
     else:

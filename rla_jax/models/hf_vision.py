@@ -72,8 +72,10 @@ def config_to_hf(c: VisionConfig) -> tuple[dict[str, Any], dict[str, int]]:
   ), {k: getattr(c, k) for k in _TOKEN_KEYS}
 
 
-def param_rows(c: VisionConfig, prefix: str = 'model.visual.'):
-  """hf._param_table entries (our path, HF names, to ours, to HF) of the tower."""
+def param_rows(c: VisionConfig, prefix: str = 'model.visual.',
+               stacked: bool = False):
+  """The tower's hf._param_table entries: (our path, HF names, to ours,
+  to HF)."""
   e, h, dh = c.hidden_size, c.num_heads, c.head_dim
   ident = lambda a: a
   t = lambda a: a.T
@@ -85,9 +87,12 @@ def param_rows(c: VisionConfig, prefix: str = 'model.visual.'):
       (('patch_b',), 'patch_embed.proj.bias', ident, ident),
       (('pos_embed',), 'pos_embed.weight', ident, ident),
   ]
-  for i in range(c.depth):
-    p = lambda *path, i=i: ('blocks', i) + path
-    n = lambda name, i=i: f'blocks.{i}.{name}'
+  # Stacked blocks (`scan_layers`): one entry per parameter, one HF name per
+  # block; otherwise one entry per block and parameter.
+  for i in ([None] if stacked else range(c.depth)):
+    p = lambda *path, i=i: ('blocks',) + (() if i is None else (i,)) + path
+    n = lambda name, i=i: tuple(f'blocks.{j}.{name}' for j in (
+        range(c.depth) if i is None else (i,)))
     rows += [
         (p('norm1', 'scale'), n('norm1.weight'), ident, ident),
         (p('norm1', 'bias'), n('norm1.bias'), ident, ident),
@@ -119,7 +124,9 @@ def param_rows(c: VisionConfig, prefix: str = 'model.visual.'):
         (path + ('w_fc2',), f'{name}.linear_fc2.weight', t, t),
         (path + ('b_fc2',), f'{name}.linear_fc2.bias', ident, ident),
     ]
-  return [(('vision',) + path, (prefix + name,), a, b)
+  names = lambda n: tuple(prefix + x for x in ((n,) if isinstance(n, str)
+                                              else n))
+  return [(('vision',) + path, names(name), a, b)
           for path, name, a, b in rows]
 
 

@@ -368,7 +368,8 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (config.vocab_size, config.hidden_size),
                             ('vocab', 'embed'), pd)
     if config.vision is not None:
-      self.vision = vision.VisionTower(config.vision, rngs, config.dtype, pd)
+      self.vision = vision.VisionTower(config.vision, rngs, config.dtype, pd,
+                                       scan=config.scan_layers)
 
   def __call__(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
                pixel_values=None, image_grid_thw=None):
@@ -383,26 +384,34 @@ class Transformer(nnx.Module):
       if self.config.vision is None:
         raise ValueError(f'pixel_values given to a {self.config.model_type} '
                          'model, which has no vision tower')
-      grids = vision.check_grids(self.config.vision, image_grid_thw)
-      images = self.encode_images(vision.patches(self.config.vision,
-                                                 pixel_values, grids))
-      if positions_BxT is None:
-        positions_BxT = jnp.asarray(vision.multimodal_positions(
-            tokens_BxT, mask_BxT, grids, self.config.vision)[0])
+      c = self.config.vision
+      grids = vision.check_grids(c, image_grid_thw)
+      if isinstance(tokens_BxT, jax.core.Tracer):  # under jit: one row
+        if positions_BxT is None or tokens_BxT.shape[0] != 1:
+          raise ValueError('traced input_ids with images: pass one row and '
+                           'its positions_BxT (vision.multimodal_positions)')
+        per_row = [len(grids)]
+      else:
+        positions, _, per_row = vision.multimodal_positions(
+            tokens_BxT, mask_BxT, grids, c)
+        if positions_BxT is None:
+          positions_BxT = jnp.asarray(positions)
+      images = self.encode_images(vision.patches(c, pixel_values, grids,
+                                                 per_row))
     return self.logits(self.hidden(tokens_BxT, positions_BxT=positions_BxT,
                                    mask_BxT=mask_BxT, images=images))
 
   def encode_images(self, patches: vision.Patches) -> vision.ImageTokens:
-    """The vision tower on packed patches (`vision.patches`), its blocks
+    """The vision tower on each row's patches (`vision.patches`), its blocks
     rematerialised like the decoder's layers (`remat`)."""
     c = self.config
     checkpoint = None if c.remat == 'none' else (
-        lambda fn: _remat(fn, c.remat, prevent_cse=True))
-    tokens_MxD, deepstack_JxMxD = self.vision(
+        lambda fn: _remat(fn, c.remat, prevent_cse=not c.scan_layers))
+    tokens_BxMxD, deepstack_JxBxMxD = self.vision(
         jax.tree.map(jnp.asarray, patches), block=c.attention_block,
         checkpoint=checkpoint)
-    return vision.ImageTokens(tokens_MxD.astype(c.dtype),
-                              deepstack_JxMxD.astype(c.dtype))
+    return vision.ImageTokens(tokens_BxMxD.astype(c.dtype),
+                              deepstack_JxBxMxD.astype(c.dtype))
 
   def head_weight(self):
     """The [V, D] output projection (the embedding when tied)."""
@@ -415,31 +424,14 @@ class Transformer(nnx.Module):
     return sharding.constrain(logits, ('batch', 'length', 'act_vocab'))
 
   def _embed(self, tokens_BxT, images: vision.ImageTokens | None):
-    """(embeddings [B, T, D], add_deepstack(x, layer) or None).
-
-    The i-th image token (row-major over the batch) takes the i-th image
-    token row of `images`; every image token must have one.
-    """
+    """(embeddings [B, T, D], add_deepstack(x, layer) or None)."""
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.config.dtype)
-    if images is None:
-      return sharding.constrain(x, ('batch', 'length', 'act_embed')), None
-    is_image_BxT = tokens_BxT == self.config.vision.image_token_id
-    slot_BxT = jnp.clip(jnp.cumsum(is_image_BxT.reshape(-1)).reshape(
-        is_image_BxT.shape) - 1, 0, images.tokens_MxD.shape[0] - 1)
-    x = jnp.where(is_image_BxT[..., None],
-                  jnp.take(images.tokens_MxD, slot_BxT, axis=0), x)
-    levels = images.deepstack_JxMxD.shape[0]
-
-    def add_deepstack(x_BxTxD, layer):
-      level_MxD = jnp.take(images.deepstack_JxMxD,
-                           jnp.minimum(layer, levels - 1), axis=0)
-      here_BxT = is_image_BxT & (layer < levels)
-      return x_BxTxD + jnp.where(here_BxT[..., None],
-                                 jnp.take(level_MxD, slot_BxT, axis=0),
-                                 0).astype(x_BxTxD.dtype)
-
+    add_deepstack = None
+    if images is not None:
+      x, add_deepstack = vision.splice(
+          x, tokens_BxT == self.config.vision.image_token_id, images)
     x = sharding.constrain(x, ('batch', 'length', 'act_embed'))
-    return x, (add_deepstack if levels else None)
+    return x, add_deepstack
 
   @staticmethod
   def _with_deepstack(layer_fn, add_deepstack):

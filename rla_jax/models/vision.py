@@ -20,6 +20,7 @@ patches) would need.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -82,12 +83,13 @@ class VisionConfig:
     return self.hidden_size * self.spatial_merge_size ** 2
 
 
-# ---- host-side geometry -------------------------------------------------------
+# ---- host-side geometry ----------------------------------------------------
 
 
 def check_grids(config: VisionConfig, grids) -> tuple[Grid, ...]:
   """image_grid_thw rows as a tuple of int triples, checked against `config`."""
-  out = tuple(tuple(int(v) for v in g) for g in np.asarray(grids).reshape(-1, 3))
+  rows = np.asarray(grids).reshape(-1, 3)
+  out = tuple(tuple(int(v) for v in g) for g in rows)
   m = config.spatial_merge_size
   for i, (t, h, w) in enumerate(out):
     if min(t, h, w) < 1 or h % m or w % m:
@@ -123,61 +125,82 @@ def _axis_taps(index: np.ndarray, size: int, side: int):
 
 @flax.struct.dataclass
 class Patches:
-  """Packed patches of some images, padded to a bucket length N."""
+  """The patches of each batch row's images, padded to a bucket length N.
 
-  pixels_NxP: np.ndarray | jax.Array  # float32; zero rows past the images
-  pos_index_Nx4: np.ndarray | jax.Array  # int32 rows of the position table
-  pos_weight_Nx4: np.ndarray | jax.Array  # float32 bilinear weights
-  angles_NxF: np.ndarray | jax.Array  # float32 2-D rotary angles, F = Dh/2
-  segment_N: np.ndarray | jax.Array  # int32 frame of each patch; -1 padding
+  Row b holds the images of batch row b (in token order), so the tower's
+  work shards like the batch and attention never crosses rows.
+  """
+
+  pixels_BxNxP: np.ndarray | jax.Array  # float32; zeros past the images
+  pos_index_BxNx4: np.ndarray | jax.Array  # int32 rows of the position table
+  pos_weight_BxNx4: np.ndarray | jax.Array  # float32 bilinear weights
+  angles_BxNxF: np.ndarray | jax.Array  # float32 2-D rotary angles, F = Dh/2
+  segment_BxN: np.ndarray | jax.Array  # int32 frame of each patch; -1 padding
 
 
 @flax.struct.dataclass
 class ImageTokens:
-  """The tower's output for some images, in the order of their tokens."""
+  """The tower's output: each row's image tokens, in the order they occur."""
 
-  tokens_MxD: jax.Array  # spliced over the M image tokens of the text
-  deepstack_JxMxD: jax.Array  # added after decoder layers 0..J-1
+  tokens_BxMxD: jax.Array  # spliced over the image tokens of the text
+  deepstack_JxBxMxD: jax.Array  # added after decoder layers 0..J-1
+
+
+def splice(x_BxTxD, is_image_BxT, images: ImageTokens):
+  """(x with image tokens in place, add_deepstack(x, layer) or None).
+
+  The i-th image token of row b takes row b's i-th token of `images` (every
+  image token must have one); add_deepstack adds deepstack level `layer`
+  (traced or not) at the same places, and nothing past the last level.
+  """
+  slot_BxTx1 = jnp.clip(jnp.cumsum(is_image_BxT, axis=1) - 1, 0,
+                        images.tokens_BxMxD.shape[1] - 1)[..., None]
+  take = lambda v_BxMxD: jnp.take_along_axis(v_BxMxD, slot_BxTx1, axis=1)
+  x_BxTxD = jnp.where(is_image_BxT[..., None], take(images.tokens_BxMxD),
+                      x_BxTxD)
+  levels = images.deepstack_JxBxMxD.shape[0]
+
+  def add_deepstack(x_BxTxD, layer):
+    level_BxMxD = jnp.take(images.deepstack_JxBxMxD,
+                           jnp.minimum(layer, levels - 1), axis=0)
+    here_BxT = is_image_BxT & (layer < levels)
+    return x_BxTxD + jnp.where(here_BxT[..., None], take(level_BxMxD),
+                               0).astype(x_BxTxD.dtype)
+
+  return x_BxTxD, (add_deepstack if levels else None)
+
+
+def abstract_patches(config: VisionConfig, length: int,
+                     lead: tuple[int, ...] = (1,)) -> Patches:
+  """Patches of ShapeDtypeStructs (memory plans and lowering; no arrays);
+  `lead` is the batch shape ([B] or [M, B])."""
+  sds = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(
+      lead + shape, dtype)
+  return Patches(sds(length, config.patch_dim),
+                 sds(length, 4, dtype=jnp.int32), sds(length, 4),
+                 sds(length, config.head_dim // 2),
+                 sds(length, dtype=jnp.int32))
 
 
 def bucket_length(config: VisionConfig, num_patches: int) -> int:
-  """Padded patch count: m^2 times a power of two (>= 16 merged tokens)."""
+  """Padded patch count: m^2 times 16 merged tokens, or 4 steps per octave
+  above (at most 25% padding past 64 merged tokens)."""
   unit = config.spatial_merge_size ** 2
   merged = max(16, -(-num_patches // unit))
-  return unit * (1 << (merged - 1).bit_length())
+  step = max(16, 1 << max(0, (merged - 1).bit_length() - 3))
+  return unit * -(-merged // step) * step
 
 
-def patches(config: VisionConfig, pixel_values, grids,
-            length: int | None = None) -> Patches:
-  """Host arrays of images for the tower, padded to `length` patches.
-
-  `length` defaults to bucket_length(total patches). The learned position
-  table is resampled bilinearly onto each image's grid; rotary angles put
-  rows on the first half of the frequencies and columns on the second.
-  """
-  grids = check_grids(config, grids)
-  n = sum(t * h * w for t, h, w in grids)
-  if tuple(np.shape(pixel_values)) != (n, config.patch_dim):
-    raise ValueError(f'pixel_values has shape {np.shape(pixel_values)}; the '
-                     f'grids {grids} need ({n}, {config.patch_dim})')
-  length = bucket_length(config, n) if length is None else length
-  if length < n or length % config.spatial_merge_size ** 2:
-    raise ValueError(f'{length} patch slots for {n} patches (a multiple of '
-                     f'{config.spatial_merge_size ** 2} is needed)')
+def _geometry(config: VisionConfig, grids, length: int):
+  """(pos index, pos weight, angles, segment) of one row's images, padded."""
   side = int(round(config.num_position_embeddings ** 0.5))
   quarter = config.head_dim // 4
   inv_freq = 1.0 / (config.rope_theta ** (
       np.arange(0, 2 * quarter, 2, dtype=np.float32) / (2 * quarter)))
-  out = Patches(np.zeros((length, config.patch_dim), np.float32),
-                np.zeros((length, 4), np.int32),
-                np.zeros((length, 4), np.float32),
-                np.zeros((length, 2 * quarter), np.float32),
-                np.full((length,), -1, np.int32))
-  if isinstance(pixel_values, jax.Array):  # on device, maybe traced
-    out = out.replace(pixels_NxP=jnp.pad(
-        pixel_values.astype(jnp.float32), ((0, length - n), (0, 0))))
-  else:
-    out.pixels_NxP[:n] = np.asarray(pixel_values, np.float32)
+  index = np.zeros((length, 4), np.int32)
+  weight = np.zeros((length, 4), np.float32)
+  angles = np.zeros((length, 2 * quarter), np.float32)
+  segment = np.full((length,), -1, np.int32)
   start, frame = 0, 0
   for grid in grids:
     t, h, w = grid
@@ -185,20 +208,64 @@ def patches(config: VisionConfig, pixel_values, grids,
     row_taps, row_w = _axis_taps(rows, h, side)
     col_taps, col_w = _axis_taps(cols, w, side)
     span = slice(start, start + t * h * w)
-    out.pos_index_Nx4[span] = (row_taps[:, :, None] * side
-                               + col_taps[:, None, :]).reshape(-1, 4)
-    out.pos_weight_Nx4[span] = (row_w[:, :, None]
-                                * col_w[:, None, :]).reshape(-1, 4)
-    out.angles_NxF[span] = np.concatenate([rows[:, None] * inv_freq,
-                                           cols[:, None] * inv_freq], axis=1)
-    out.segment_N[span] = frame + np.repeat(np.arange(t), h * w)
+    index[span] = (row_taps[:, :, None] * side
+                   + col_taps[:, None, :]).reshape(-1, 4)
+    weight[span] = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4)
+    angles[span] = np.concatenate([rows[:, None] * inv_freq,
+                                   cols[:, None] * inv_freq], axis=1)
+    segment[span] = frame + np.repeat(np.arange(t), h * w)
     start, frame = start + t * h * w, frame + t
-  return out
+  return index, weight, angles, segment
+
+
+def patches(config: VisionConfig, pixel_values, grids,
+            images_per_row: Sequence[int] | None = None,
+            length: int | None = None) -> Patches:
+  """Arrays [B, N, ...] of images for the tower.
+
+  Row b takes the next `images_per_row[b]` images (default: one row, all of
+  them), padded to `length` patches (default: the bucket_length of the
+  fullest row). The learned position table is resampled bilinearly onto each
+  image's grid; rotary angles put rows on the first half of the frequencies
+  and columns on the second. `pixel_values` may be a device array (traced
+  too); the geometry is always host numpy.
+  """
+  grids = check_grids(config, grids)
+  counts = [len(grids)] if images_per_row is None else list(images_per_row)
+  if sum(counts) != len(grids):
+    raise ValueError(f'images_per_row {counts} sum to {sum(counts)}, not the '
+                     f'{len(grids)} images of image_grid_thw')
+  sizes = [t * h * w for t, h, w in grids]
+  if tuple(np.shape(pixel_values)) != (sum(sizes), config.patch_dim):
+    raise ValueError(f'pixel_values has shape {np.shape(pixel_values)}; the '
+                     f'grids {grids} need ({sum(sizes)}, {config.patch_dim})')
+  offsets = np.cumsum([0] + counts)
+  row_grids = [grids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+  row_sizes = [sum(sizes[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+  length = (bucket_length(config, max(row_sizes)) if length is None
+            else length)
+  if length < max(row_sizes) or length % config.spatial_merge_size ** 2:
+    raise ValueError(f'{length} patch slots for rows of up to '
+                     f'{max(row_sizes)} patches (a multiple of '
+                     f'{config.spatial_merge_size ** 2} is needed)')
+  geometry = [_geometry(config, g, length) for g in row_grids]
+  starts = np.cumsum([0] + row_sizes)
+  if isinstance(pixel_values, jax.Array):  # on device, maybe traced
+    pixels = jnp.stack([jnp.pad(
+        pixel_values[a:b].astype(jnp.float32), ((0, length - (b - a)), (0, 0)))
+                        for a, b in zip(starts[:-1], starts[1:])])
+  else:
+    pixels = np.zeros((len(counts), length, config.patch_dim), np.float32)
+    values = np.asarray(pixel_values, np.float32)
+    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+      pixels[r, :b - a] = values[a:b]
+  return Patches(pixels, *(np.stack(parts) for parts in zip(*geometry)))
 
 
 def multimodal_positions(tokens_BxT, mask_BxT, grids: tuple[Grid, ...],
                          config: VisionConfig):
-  """Qwen3-VL rotary positions: ([B, T, 3] int32 (t, h, w), next [B] int32).
+  """Qwen3-VL rotary positions: ([B, T, 3] int32 (t, h, w), next [B] int32,
+  images per row).
 
   Text tokens advance all three axes together; an image's merged tokens sit
   on its (frame, row, column) grid offset by the position it starts at, and
@@ -214,6 +281,7 @@ def multimodal_positions(tokens_BxT, mask_BxT, grids: tuple[Grid, ...],
   b, t = tokens_BxT.shape
   out = np.zeros((b, t, 3), np.int32)
   next_B = np.zeros((b,), np.int32)
+  images_B = np.zeros((b,), np.int32)
   queue = list(grids)
   for row in range(b):
     slots = np.flatnonzero(mask_BxT[row])
@@ -238,17 +306,21 @@ def multimodal_positions(tokens_BxT, mask_BxT, grids: tuple[Grid, ...],
           [f.reshape(-1), r.reshape(-1), c.reshape(-1)], axis=1)
       pos += max(gh, gw) // m
       i += n
+      images_B[row] += 1
     next_B[row] = (out[row, slots].max() + 1) if len(slots) else 0
   if queue:
     raise ValueError(f'{len(queue)} of {len(grids)} images in image_grid_thw '
                      'have no image tokens in input_ids')
-  return out, next_B
+  return out, next_B, images_B
 
 
 # ---- the tower --------------------------------------------------------------
 
 
-def _param(rngs, shape, axes, dtype, init='normal'):
+def _param(rngs, shape, axes, dtype, init='normal', stack: int | None = None):
+  """A Param; with `stack`, one per layer along a leading 'layers' axis."""
+  if stack:
+    shape, axes = (stack,) + tuple(shape), ('layers',) + tuple(axes)
   if init == 'normal':
     value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
   else:
@@ -259,9 +331,9 @@ def _param(rngs, shape, axes, dtype, init='normal'):
 class LayerNorm(nnx.Module):
 
   def __init__(self, dim: int, dtype: str, axis_name: str = 'norm',
-               eps: float = 1e-6):
-    self.scale = _param(None, (dim,), (axis_name,), dtype, 'ones')
-    self.bias = _param(None, (dim,), (axis_name,), dtype, 'zeros')
+               eps: float = 1e-6, stack: int | None = None):
+    self.scale = _param(None, (dim,), (axis_name,), dtype, 'ones', stack)
+    self.bias = _param(None, (dim,), (axis_name,), dtype, 'zeros', stack)
     self.eps = eps
 
   def __call__(self, x):
@@ -275,43 +347,46 @@ class LayerNorm(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-  """Pre-norm attention + GELU(tanh) MLP, all projections with biases."""
+  """Pre-norm attention + GELU(tanh) MLP, all projections with biases; with
+  `stack`, all blocks (leading 'layers' axis, run by lax.scan)."""
 
-  def __init__(self, config: VisionConfig, rngs: nnx.Rngs, dtype: str):
+  def __init__(self, config: VisionConfig, rngs: nnx.Rngs, dtype: str,
+               stack: int | None = None):
     e, i, h, dh = (config.hidden_size, config.intermediate_size,
                    config.num_heads, config.head_dim)
-    self.norm1 = LayerNorm(e, dtype)
-    self.norm2 = LayerNorm(e, dtype)
-    self.wqkv = _param(rngs, (e, 3, h, dh), ('embed', None, 'q_heads',
-                                             'head_dim'), dtype)
-    self.bqkv = _param(None, (3, h, dh), (None, 'q_heads', 'head_dim'), dtype,
-                       'zeros')
-    self.wo = _param(rngs, (h, dh, e), ('q_heads', 'head_dim', 'embed'), dtype)
-    self.bo = _param(None, (e,), ('norm',), dtype, 'zeros')
-    self.w_fc1 = _param(rngs, (e, i), ('embed', 'mlp'), dtype)
-    self.b_fc1 = _param(None, (i,), ('mlp',), dtype, 'zeros')
-    self.w_fc2 = _param(rngs, (i, e), ('mlp', 'embed'), dtype)
-    self.b_fc2 = _param(None, (e,), ('norm',), dtype, 'zeros')
+    p = lambda shape, axes, init='normal': _param(
+        rngs if init == 'normal' else None, shape, axes, dtype, init, stack)
+    self.norm1 = LayerNorm(e, dtype, stack=stack)
+    self.norm2 = LayerNorm(e, dtype, stack=stack)
+    self.wqkv = p((e, 3, h, dh), ('embed', None, 'q_heads', 'head_dim'))
+    self.bqkv = p((3, h, dh), (None, 'q_heads', 'head_dim'), 'zeros')
+    self.wo = p((h, dh, e), ('q_heads', 'head_dim', 'embed'))
+    self.bo = p((e,), ('norm',), 'zeros')
+    self.w_fc1 = p((e, i), ('embed', 'mlp'))
+    self.b_fc1 = p((i,), ('mlp',), 'zeros')
+    self.w_fc2 = p((i, e), ('mlp', 'embed'))
+    self.b_fc2 = p((e,), ('norm',), 'zeros')
 
-  def __call__(self, x_NxE, angles_NxF, segment_N, block: int):
-    dt = x_NxE.dtype
-    n = x_NxE.shape[0]
-    qkv = jnp.einsum('NE,EcHd->cNHd', self.norm1(x_NxE),
+  def __call__(self, x_BxNxE, angles_BxNxF, segment_BxN, block: int):
+    dt = x_BxNxE.dtype
+    n = x_BxNxE.shape[1]
+    qkv = jnp.einsum('BNE,EcHd->cBNHd', self.norm1(x_BxNxE),
                      self.wqkv[...].astype(dt)) + self.bqkv[...].astype(
-                         dt)[:, None, :, :]
-    q = attention.rotary(qkv[0], angles_NxF)
-    k, v = attention.rotary(qkv[1], angles_NxF), qkv[2]
-    out_NxHxDh = attention.chunked(  # bidirectional within each frame
-        q[None], k[None], v[None], (segment_N >= 0)[None], q_offset=n - 1,
-        block=block, segment_BxS=segment_N[None])[0]
-    x_NxE = x_NxE + jnp.einsum('NHd,HdE->NE', out_NxHxDh,
-                               self.wo[...].astype(dt)) + self.bo[...].astype(
-                                   dt)[None]
-    h = (self.norm2(x_NxE) @ self.w_fc1[...].astype(dt)
-         + self.b_fc1[...].astype(dt)[None])
-    h = sharding.constrain(jax.nn.gelu(h, approximate=True), (None, 'act_mlp'))
-    return (x_NxE + h @ self.w_fc2[...].astype(dt)
-            + self.b_fc2[...].astype(dt)[None])
+                         dt)[:, None, None, :, :]
+    q = attention.rotary(qkv[0], angles_BxNxF)
+    k, v = attention.rotary(qkv[1], angles_BxNxF), qkv[2]
+    out_BxNxHxDh = attention.chunked(  # bidirectional within each frame
+        q, k, v, segment_BxN >= 0, q_offset=n - 1, block=block,
+        segment_BxS=segment_BxN)
+    x_BxNxE = x_BxNxE + jnp.einsum(
+        'BNHd,HdE->BNE', out_BxNxHxDh,
+        self.wo[...].astype(dt)) + self.bo[...].astype(dt)[None, None]
+    h = (self.norm2(x_BxNxE) @ self.w_fc1[...].astype(dt)
+         + self.b_fc1[...].astype(dt)[None, None])
+    h = sharding.constrain(jax.nn.gelu(h, approximate=True),
+                           ('batch', 'length', 'act_mlp'))
+    return (x_BxNxE + h @ self.w_fc2[...].astype(dt)
+            + self.b_fc2[...].astype(dt)[None, None])
 
 
 class Merger(nnx.Module):
@@ -331,32 +406,37 @@ class Merger(nnx.Module):
     self.w_fc2 = _param(rngs, (md, d), ('mlp', 'embed'), dtype)
     self.b_fc2 = _param(None, (d,), ('norm',), dtype, 'zeros')
 
-  def __call__(self, x_NxE):
-    dt = x_NxE.dtype
-    md = self.w_fc1.shape[0]
+  def __call__(self, x_BxNxE):
+    dt = x_BxNxE.dtype
+    b, md = x_BxNxE.shape[0], self.w_fc1.shape[0]
     if self.postshuffle:
-      x_MxMd = self.norm(x_NxE.reshape(-1, md))
+      x_BxMxMd = self.norm(x_BxNxE.reshape(b, -1, md))
     else:
-      x_MxMd = self.norm(x_NxE).reshape(-1, md)
-    h = jax.nn.gelu(x_MxMd @ self.w_fc1[...].astype(dt)
-                    + self.b_fc1[...].astype(dt)[None], approximate=False)
-    return h @ self.w_fc2[...].astype(dt) + self.b_fc2[...].astype(dt)[None]
+      x_BxMxMd = self.norm(x_BxNxE).reshape(b, -1, md)
+    h = jax.nn.gelu(x_BxMxMd @ self.w_fc1[...].astype(dt)
+                    + self.b_fc1[...].astype(dt)[None, None], approximate=False)
+    return (h @ self.w_fc2[...].astype(dt)
+            + self.b_fc2[...].astype(dt)[None, None])
 
 
 class VisionTower(nnx.Module):
-  """Patches of images -> (tokens [M, D], deepstack [J, M, D]), M = N / m^2."""
+  """Patches -> (tokens [B, M, D], deepstack [J, B, M, D]), M = N / m^2."""
 
   def __init__(self, config: VisionConfig, rngs: nnx.Rngs, dtype: str,
-               param_dtype: str):
+               param_dtype: str, scan: bool = False):
     self.config = config
     self.dtype = dtype
+    self.scan = scan
     pd, e = param_dtype, config.hidden_size
     self.patch_w = _param(rngs, (config.patch_dim, e), (None, 'embed'), pd)
     self.patch_b = _param(None, (e,), ('norm',), pd, 'zeros')
     self.pos_embed = _param(rngs, (config.num_position_embeddings, e),
                             (None, 'embed'), pd)
-    self.blocks = nnx.List([VisionBlock(config, rngs, pd)
-                            for _ in range(config.depth)])
+    if scan:
+      self.blocks = VisionBlock(config, rngs, pd, stack=config.depth)
+    else:
+      self.blocks = nnx.List([VisionBlock(config, rngs, pd)
+                              for _ in range(config.depth)])
     self.merger = Merger(config, rngs, pd, postshuffle=False)
     self.deepstack = nnx.List([Merger(config, rngs, pd, postshuffle=True)
                                for _ in config.deepstack_indexes])
@@ -364,26 +444,48 @@ class VisionTower(nnx.Module):
   def __call__(self, patches_: Patches, *, block: int = 512,
                checkpoint=None):
     """`checkpoint(fn)`: what the backward pass keeps of each block (remat);
-    it wraps fn(block state, x) -> x. None keeps everything."""
+    it wraps fn(block state, x) -> x, or the scan step fn(x, block state) ->
+    (x, None) of stacked blocks. None keeps everything. Stacked blocks run
+    as one scan per stretch between deepstack taps (XLA schedules a remat
+    of unrolled blocks early, which keeps every block's activations)."""
     c, dt = self.config, self.dtype
-    x_NxE = (patches_.pixels_NxP.astype(dt) @ self.patch_w[...].astype(dt)
-             + self.patch_b[...].astype(dt)[None])
+    p = patches_
+    x = (p.pixels_BxNxP.astype(dt) @ self.patch_w[...].astype(dt)
+         + self.patch_b[...].astype(dt)[None, None])
     table = self.pos_embed[...].astype(jnp.float32)
-    pos_NxE = jnp.einsum('NtE,Nt->NE',
-                         jnp.take(table, patches_.pos_index_Nx4, axis=0),
-                         patches_.pos_weight_Nx4)
-    x_NxE = sharding.constrain(x_NxE + pos_NxE.astype(dt), (None, 'act_embed'))
+    pos_BxNxE = jnp.einsum('BNtE,BNt->BNE',
+                           jnp.take(table, p.pos_index_BxNx4, axis=0),
+                           p.pos_weight_BxNx4)
+    x_BxNxE = sharding.constrain(x + pos_BxNxE.astype(dt),
+                                 ('batch', 'length', 'act_embed'))
     levels = []
-    for i, blk in enumerate(self.blocks):
+    if self.scan:
+      graphdef, stacked = nnx.split(self.blocks)
+
+      def step(x, state):
+        return nnx.merge(graphdef, state)(x, p.angles_BxNxF, p.segment_BxN,
+                                          block), None
+
+      step = step if checkpoint is None else checkpoint(step)
+      start = 0
+      for end in sorted(set(c.deepstack_indexes) | {c.depth - 1}):
+        part = jax.tree.map(lambda a, s=start, e=end: a[s:e + 1], stacked)
+        x_BxNxE = jax.lax.scan(step, x_BxNxE, part)[0]
+        if end in c.deepstack_indexes:
+          levels.append(self.deepstack[c.deepstack_indexes.index(end)](
+              x_BxNxE))
+        start = end + 1
+    for i, blk in enumerate([] if self.scan else self.blocks):
       if checkpoint is None:
-        x_NxE = blk(x_NxE, patches_.angles_NxF, patches_.segment_N, block)
+        x_BxNxE = blk(x_BxNxE, p.angles_BxNxF, p.segment_BxN, block)
       else:
         graphdef, state = nnx.split(blk)
-        x_NxE = checkpoint(lambda st, x, g=graphdef: nnx.merge(g, st)(
-            x, patches_.angles_NxF, patches_.segment_N, block))(state, x_NxE)
+        x_BxNxE = checkpoint(lambda st, x, g=graphdef: nnx.merge(g, st)(
+            x, p.angles_BxNxF, p.segment_BxN, block))(state, x_BxNxE)
       if i in c.deepstack_indexes:
-        levels.append(self.deepstack[c.deepstack_indexes.index(i)](x_NxE))
-    tokens_MxD = self.merger(x_NxE)
+        levels.append(self.deepstack[c.deepstack_indexes.index(i)](x_BxNxE))
+    tokens_BxMxD = self.merger(x_BxNxE)
     if levels:
-      return tokens_MxD, jnp.stack(levels)
-    return tokens_MxD, jnp.zeros((0,) + tokens_MxD.shape, tokens_MxD.dtype)
+      return tokens_BxMxD, jnp.stack(levels)
+    return tokens_BxMxD, jnp.zeros((0,) + tokens_BxMxD.shape,
+                                   tokens_BxMxD.dtype)
