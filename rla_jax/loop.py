@@ -21,6 +21,7 @@ import os
 import time
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -59,9 +60,13 @@ def _model(run: runtime.Run, name: str):
 def _sample_fn(run: runtime.Run, name: str, sampling) -> rollout.PolicyFn:
   """messages batch, seed -> one completion each, from model `name`."""
 
-  def sample(messages, seed):
+  def sample(messages, seed, min_temperature=0.0):
+    section = sampling
+    if section.temperature < min_temperature:
+      section = ml_collections.ConfigDict(sampling.to_dict())
+      section.temperature = min_temperature
     rows = chat.complete(_model(run, name), run.tokenizers[name], messages,
-                         sampling=sampling, num_samples=1, seed=seed,
+                         sampling=section, num_samples=1, seed=seed,
                          mesh=run.mesh, rules=run.rules)
     return [row[0] for row in rows]
 
@@ -141,6 +146,7 @@ def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
       'rollout/truncated_frac': float(np.mean(
           [s.finish_reason == 'length' for s in steps])) if steps else 0.0,
       'rollout/prompt_cut_frac': _cut_frac(steps),
+      'rollout/parse_retries': sum(s.retries for s in steps),
   }
 
 
@@ -381,6 +387,8 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
       ckpt.close()
       state.writer.close()
       state.executor.shutdown()
+      if hasattr(state.env, 'close'):  # e.g. desktops, sandboxes
+        state.env.close()
 
 
 def _write_process_report(run: runtime.Run):

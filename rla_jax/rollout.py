@@ -32,11 +32,14 @@ from rla_jax import chat
 from rla_jax import distributed
 from rla_jax import metrics
 from rla_jax import structs
+from rla_jax.envs import base
 
 # (task_id, spec, source) as handed out by the curator.
 TaskRef = tuple[str, dict[str, Any], str]
-# messages batch -> one completion per conversation
-PolicyFn = Callable[[Sequence[Sequence[dict]], int], list[chat.Completion]]
+# (messages batch, seed[, min_temperature=]) -> one completion per
+# conversation; min_temperature raises the sampling temperature to at least
+# that (retries of unparseable turns).
+PolicyFn = Callable[..., list[chat.Completion]]
 
 
 class _Failed:
@@ -81,6 +84,42 @@ def _turn_messages(env, spec, observation, first):
   return hook(spec, observation, first)
 
 
+def _parsed(env, policy: PolicyFn, messages, completions, observations,
+            seed: int):
+  """(completions, actions, retries per row) of one turn's live rows.
+
+  A response the environment cannot parse (base.Unparseable) is sampled
+  again from the same messages, re-rendered, up to env.parse_retries times
+  at a temperature of at least env.retry_temperature (the authors' GUI
+  agent: 5 retries at >= 0.2); when they run out the row executes the
+  exception's fallback, an action the episode records as invalid. Every
+  process parses every row, so all agree on which rows retry.
+  """
+  retries = getattr(env, 'parse_retries', 0)
+  completions, actions = list(completions), [None] * len(completions)
+  used, failures, pending = [0] * len(completions), {}, range(len(completions))
+  for attempt in range(retries + 1):
+    if attempt:
+      again = policy([list(messages[j]) for j in pending],
+                     seed * 31 + attempt,
+                     min_temperature=getattr(env, 'retry_temperature', 0.0))
+      for j, c in zip(pending, again):
+        completions[j], used[j] = c, attempt
+    still = []
+    for j in pending:
+      try:
+        actions[j] = env.parse_action(completions[j].text, observations[j])
+      except base.Unparseable as e:
+        failures[j] = e
+        still.append(j)
+    pending = still
+    if not pending:
+      break
+  for j in pending:
+    actions[j] = failures[j].fallback
+  return completions, actions, used
+
+
 def run(env, tasks: Sequence[TaskRef], *, group_size: int,
         policy: PolicyFn, pool: futures.Executor, seed: int,
         max_turns: int) -> list[structs.Trajectory]:
@@ -117,13 +156,13 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
         chat=functools.partial(_turn_messages, env, trajs[i].spec,
                                observations[i], turn == 0))
                 for i in live]
-    completions = policy(messages, seed * 7919 + turn)
-    actions = [env.parse_action(c.text, observations[i])
-               for i, c in zip(live, completions)]
+    completions, actions, retries = _parsed(
+        env, policy, messages, policy(messages, seed * 7919 + turn),
+        [observations[i] for i in live], seed * 7919 + turn)
     results = _on_owners(pool, lambda i, a: episodes[i].step(a),
                          dict(zip(live, actions)))
     still_live = []
-    for i, c, action in zip(live, completions, actions):
+    for i, c, action, retried in zip(live, completions, actions, retries):
       if isinstance(results[i], _Failed):
         _fail(trajs[i], results[i])
         continue
@@ -132,7 +171,7 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
           prompt=c.prompt, prompt_tokens=c.prompt_tokens, response=c.text,
           response_tokens=c.tokens, logprobs=c.logprobs, action=action,
           observation=observation, finish_reason=c.finish_reason,
-          prompt_cut=c.prompt_cut, images=c.images))
+          prompt_cut=c.prompt_cut, images=c.images, retries=retried))
       turns[i].append((observations[i], action))
       observations[i] = observation
       if done:

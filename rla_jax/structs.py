@@ -66,6 +66,7 @@ class Step:
   finish_reason: str
   prompt_cut: bool = False  # the prompt was too long and lost tokens
   images: Images | None = None  # of the prompt's image tokens
+  retries: int = 0  # times the turn was sampled again (unparseable answers)
 
 
 @dataclasses.dataclass

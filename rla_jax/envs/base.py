@@ -19,6 +19,39 @@ class RewriteRejected(Exception):
   """The environment could not turn the LLM's proposals into a valid task."""
 
 
+class Unparseable(ValueError):
+  """parse_action found no valid action in a response.
+
+  The rollout samples that turn again (up to the environment's
+  `parse_retries`); when the retries run out it executes `fallback`, an
+  action the episode records as invalid (never an environment error).
+  """
+
+  def __init__(self, reason: str, fallback: str):
+    super().__init__(reason)
+    self.reason, self.fallback = reason, fallback
+
+
+class Observation(str):
+  """Observation text that also carries images (encoded PNG/JPEG bytes).
+
+  Text-only consumers (critique prompts, logs) see the text; a vision
+  setting's prompts take `images` (a GUI setting: the screenshot now, then
+  the one the last action was taken on). Pickles with its images, so it
+  travels between processes like the text does.
+  """
+
+  images: tuple[bytes, ...]
+
+  def __new__(cls, text: str, images: Sequence[bytes] = ()):
+    obj = super().__new__(cls, text)
+    obj.images = tuple(images)
+    return obj
+
+  def __reduce__(self):
+    return (Observation, (str(self), self.images))
+
+
 @dataclasses.dataclass(frozen=True)
 class RewriteRequest:
   """What the curator knows when it asks for a harder or easier task.
@@ -86,7 +119,12 @@ class Environment(Protocol):
     """
 
   def parse_action(self, response: str, observation: str) -> str:
-    """The action text to execute from the policy's response."""
+    """The action text to execute from the policy's response.
+
+    May raise Unparseable: the turn is then sampled again, up to the
+    environment's optional `parse_retries` (default 0) times, at a
+    temperature of at least its `retry_temperature` (default 0.0).
+    """
 
   def judge_messages(self, spec: dict[str, Any], policy_prompt: str,
                      response: str, next_observation: str) -> list[dict[str,
@@ -106,6 +144,8 @@ class Environment(Protocol):
               attempts: int) -> dict[str, Any]:
     """A harder/easier version of `request.spec`; raises RewriteRejected."""
 
+  # Optional: `close()` releases what the setting holds (desktops, servers)
+  # when the run ends.
   # Optional: `metrics(trajectories) -> dict[str, float]`, the setting's own
   # numbers for a batch of rollouts (the loop logs them under rollout/ and
   # eval/<split>/). A module may also define `make_tokenizer()` for random

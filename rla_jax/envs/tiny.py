@@ -37,16 +37,18 @@ CHAT_TEMPLATE = (
 
 
 def make_tokenizer(tokens: Sequence[str] = tuple(ALPHABET),
-                   split: str = r'.|\n'):
+                   split: str = r'.|\n', specials: Sequence[str] = ()):
   """A word-level tokenizer for random models, with a chat template.
 
-  One id per SPECIALS entry, then one per distinct entry of `tokens`
+  One id per SPECIALS entry and per extra special token of `specials` (a
+  vision model's image tokens), then one per distinct entry of `tokens`
   (ALPHABET: character level); text is split into pieces by the regex
   `split`, and a piece not in `tokens` is <unk>.
   """
   import tokenizers  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  vocab = {t: i for i, t in enumerate(dict.fromkeys(SPECIALS + tuple(tokens)))}
+  vocab = {t: i for i, t in enumerate(
+      dict.fromkeys(SPECIALS + tuple(specials) + tuple(tokens)))}
   tok = tokenizers.Tokenizer(
       tokenizers.models.WordLevel(vocab, unk_token='<unk>'))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(
@@ -55,7 +57,7 @@ def make_tokenizer(tokens: Sequence[str] = tuple(ALPHABET),
   fast = transformers.PreTrainedTokenizerFast(
       tokenizer_object=tok, pad_token='<pad>', bos_token='<s>',
       eos_token='</s>', unk_token='<unk>',
-      additional_special_tokens=list(SPECIALS[4:]))
+      additional_special_tokens=list(SPECIALS[4:]) + list(specials))
   fast.chat_template = CHAT_TEMPLATE
   return fast
 
