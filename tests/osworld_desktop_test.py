@@ -182,6 +182,10 @@ def test_smoke_two_epochs_resume_and_a_dying_desktop(tmp_path, monkeypatch,
   assert 'resumed from epoch 1 checkpoint; starting epoch 2' in (
       capsys.readouterr().out)
   assert last['rollout/errors'] == 0  # the dead desktop came back
+  # Adaptation runs after a resume (B9): all-failed tasks ask for easier
+  # versions (a random environment LLM's proposals are logged rejections).
+  assert last['curator/requested'] > 0
+  assert last['curator/rewrite_rejected'] == last['curator/requested']
   assert last['policy/examples'] > 0
   assert len(curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))) == len(
       pool_before)

@@ -329,3 +329,19 @@ def test_smoke_config_validates():
   assert config.policy.random.model_type == 'qwen3_vl'
   assert os.path.isdir(osworld.TASK_DIR)
   assert isinstance(config.env.vm, ml_collections.ConfigDict)
+
+
+def test_history_is_compact_and_the_judge_sees_a_clipped_answer():
+  action = prompts.canonical('Click OK.', {'action': 'left_click',
+                                           'coordinate': [1, 2]})
+  assert prompts.history([action, 'INVALID ACTION: no call']) == (
+      'Step 1: Click OK. {"action": "left_click", "coordinate": [1, 2]}\n'
+      'Step 2: INVALID ACTION: no call')
+  assert prompts.clip_middle('a' * 10 + 'b' * 10, 10) == (
+      'aaaaa\n[... 10 characters ...]\nbbbbb')
+  env = make_env(judge_response_chars=40)
+  after = base.Observation('after', (png((1, 1, 1)), png((2, 2, 2))))
+  messages = env.judge_messages(env.tasks('train')[0], '', 'x' * 500 +
+                                'the action', after)
+  text = ''.join(p.get('text', '') for p in messages[1]['content'])
+  assert 'the action' in text and 'x' * 30 not in text

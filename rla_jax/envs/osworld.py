@@ -239,7 +239,7 @@ class OSWorldEnv:
                retry_temperature: float, settle_s: float,
                image_max_pixels: int, observation_chars: int,
                answer_prefix: str, judge_prefix: str, max_critiques: int,
-               max_instruction_chars: int):
+               max_instruction_chars: int, judge_response_chars: int = 0):
     self._tasks = list(tasks)
     self.pool, self.max_turns = pool, max_turns
     self.max_images, self.parse_retries = max_images, parse_retries
@@ -249,6 +249,7 @@ class OSWorldEnv:
     self.answer_prefix, self.judge_prefix = answer_prefix, judge_prefix
     self.max_critiques = max_critiques
     self.max_instruction_chars = max_instruction_chars
+    self.judge_response_chars = judge_response_chars
 
   def tasks(self, split: str) -> list[dict[str, Any]]:
     if split not in SPLITS:
@@ -311,7 +312,9 @@ class OSWorldEnv:
     history = (head[1].split('\n\nLook at the current screenshot')[0]
                if len(head) == 2 else '(none)')
     text = prompts.JUDGE.format(instruction=instruction(spec),
-                                history=history, response=response)
+                                history=history,
+                                response=prompts.clip_middle(
+                                    response, self.judge_response_chars))
     first, rest = text.split('{before}')
     middle, last = rest.split('{after}')
     messages = [
@@ -408,6 +411,13 @@ def make_tokenizer():
                              specials=VISION_TOKENS)
 
 
+# config.env keys that OSWorldEnv takes as they are.
+ENV_OPTIONS = ('max_turns', 'max_images', 'parse_retries', 'retry_temperature',
+               'settle_s', 'image_max_pixels', 'observation_chars',
+               'answer_prefix', 'judge_prefix', 'max_critiques',
+               'max_instruction_chars', 'judge_response_chars')
+
+
 def from_config(env_config, workdir: str) -> OSWorldEnv:
   """The setting of `config.env` (name 'osworld')."""
   del workdir
@@ -417,15 +427,5 @@ def from_config(env_config, workdir: str) -> OSWorldEnv:
                      f'{sorted(factories)}')
   pool = desktops.Pool(factories[env_config.provider](env_config),
                        env_config.max_desktops, env_config.acquire_timeout_s)
-  return OSWorldEnv(
-      load_tasks(env_config.task_dir or TASK_DIR), pool=pool,
-      max_turns=env_config.max_turns, max_images=env_config.max_images,
-      parse_retries=env_config.parse_retries,
-      retry_temperature=env_config.retry_temperature,
-      settle_s=env_config.settle_s,
-      image_max_pixels=env_config.image_max_pixels,
-      observation_chars=env_config.observation_chars,
-      answer_prefix=env_config.answer_prefix,
-      judge_prefix=env_config.judge_prefix,
-      max_critiques=env_config.max_critiques,
-      max_instruction_chars=env_config.max_instruction_chars)
+  return OSWorldEnv(load_tasks(env_config.task_dir or TASK_DIR), pool=pool,
+                    **{k: env_config[k] for k in ENV_OPTIONS})

@@ -222,11 +222,35 @@ def pyautogui_code(args: dict[str, Any], width: int, height: int) -> str:
   return ''  # terminate
 
 
+def _compact(action: str) -> str:
+  """'<sentence> <arguments JSON>' of a canonical action (else as is)."""
+  try:
+    sentence, args = parse_tool_call(action)
+  except ParseError:
+    return action  # an invalid action's note
+  return f'{sentence} {json.dumps(args)}'.strip()
+
+
 def history(actions: Sequence[str]) -> str:
-  """'Step k: <sentence + call>' lines of the earlier actions."""
+  """'Step k: <sentence> <arguments>' lines of the earlier actions.
+
+  Compact (about 30 tokens a step), so 30 steps and three 1920x1080
+  screenshots (3 x 2,040 image tokens) fit an 8,192-token prompt.
+  """
   if not actions:
     return '(none)'
-  return '\n'.join(f'Step {k}: {a}' for k, a in enumerate(actions, start=1))
+  return '\n'.join(f'Step {k}: {_compact(a)}'
+                   for k, a in enumerate(actions, start=1))
+
+
+def clip_middle(text: str, max_chars: int) -> str:
+  """`text` without its middle past max_chars (0: whole): a long thought's
+  start and its action at the end stay."""
+  if not max_chars or len(text) <= max_chars:
+    return text
+  half = max_chars // 2
+  return f'{text[:half]}\n[... {len(text) - 2 * half} characters ...]\n' + (
+      text[-half:])
 
 
 def parse_rewrite(text: str, template: dict[str, str],
