@@ -17,7 +17,7 @@ checkpoints every 20. The paper ran on 12x8 GPUs against the benchmark's
 VMs; here the default desktops are local (env.provider='local':
 launch/desktop.sh, Xvfb on 127.0.0.1, one per concurrent episode) running
 the project's own tasks (rla_jax/envs/osworld_tasks: 12 tasks over
-mousepad, zenity dialogs and a sandboxed xterm), so numbers are not
+mousepad, zenity dialogs and xterm), so numbers are not
 comparable with the paper's OSWorld scores (31.1 -> 40.2). For the
 benchmark itself: `pip install desktop-env`, a folder of OSWorld task JSONs
 (with the authors' `current_task` / `task_template`, or plain ones: one

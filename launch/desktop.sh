@@ -17,7 +17,8 @@
 # and status), --home <run dir>/home. Every process started here carries
 # RLA_DESKTOP_RUN=<run dir> in its environment, so stop finds them all
 # (the apps too), and desktops with different displays, ports and run dirs
-# run side by side. Needs: xvfb openbox dbus-x11 at-spi2-core
+# run side by side. The apps run under bubblewrap (the host read-only but
+# for --home and the run dir). Needs: bubblewrap xvfb openbox dbus-x11 at-spi2-core
 # python3-pyatspi python3-xlib python3-pil (.ci/run installs them).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)

@@ -133,7 +133,8 @@ def test_reset_kills_apps_and_empties_home(client, desk):
   assert dialog(client, 'RlaReset') is None
   assert client.execute(['wmctrl', '-l'])['output'] == ''
   assert outside.wait(timeout=5) is not None
-  assert client.execute(['pgrep', '-f', 'sleep 300'])['returncode'] == 1
+  # ([s]: not the sandbox's command line, which holds the pattern itself.)
+  assert client.execute(['pgrep', '-f', '[s]leep 300'])['returncode'] == 1
   assert os.listdir(desk.home) == []
 
 

@@ -126,7 +126,7 @@ def test_typed_text_shows_in_the_accessibility_tree(env):
     episode.close()
 
 
-def test_terminal_shell_is_sandboxed(env):
+def test_apps_and_the_terminal_shell_are_sandboxed(env):
   spec = next(t for t in env.tasks('train') if t['id'] == 'xterm-make-folder')
   episode = env.make_episode(spec, 0, max_turns=5)
   try:
@@ -143,6 +143,9 @@ def test_terminal_shell_is_sandboxed(env):
     assert client.file('~/sandbox.txt') == b'done\n'
     for path in outside:
       assert not os.path.exists(path)
+    # Every app and command of the desktop sees the host read-only.
+    touched = client.execute(f'touch {outside[1]}', shell=True)
+    assert touched['returncode'] != 0 and not os.path.exists(outside[1])
   finally:
     episode.close()
 

@@ -24,7 +24,9 @@ JSON as OSWorld's desktop_env/server/main.py:
                        empties --home
 
 Commands run with HOME and cwd = --home, and `python` / `python3` are the
---python interpreter (a venv with pyautogui). Every process started here
+--python interpreter (a venv with pyautogui). An agent drives the apps, so
+they and every command run under bubblewrap: the host's files read-only,
+only --home and the desktop's run dir writable (--no-sandbox: as is). Every process started here
 carries RLA_DESKTOP_APP=<this server's id> in its environment, which is how
 a reset finds them all, including what they started in the background.
 
@@ -86,7 +88,14 @@ def parse_args(argv):
   p.add_argument('--port', type=int, default=5000)
   p.add_argument('--home', required=True)
   p.add_argument('--python', default=sys.executable)
+  p.add_argument('--no-sandbox', dest='sandbox', action='store_false',
+                 help='run apps and commands with the host writable (by '
+                 'default they run under bubblewrap: the filesystem read-only '
+                 'but for --home and the desktop\'s run dir)')
   args = p.parse_args(argv)
+  if args.sandbox and not shutil.which('bwrap'):
+    p.error('apps run under bubblewrap, which is not installed (apt-get '
+            'install bubblewrap), or pass --no-sandbox')
   host = '127.0.0.1' if args.host == 'localhost' else args.host
   try:
     loopback = ipaddress.ip_address(host).is_loopback
@@ -116,8 +125,16 @@ def parse_args(argv):
 class Desktop:
   """What the handlers share: the X connection, the apps started, the lock."""
 
-  def __init__(self, home, python):
+  def __init__(self, home, python, sandbox=True):
     self.home, self.python = home, python
+    # The agent drives these apps: under bubblewrap they see the host
+    # read-only, writing only their home and the desktop's run dir (its
+    # sockets and X authority live there); the X socket is reachable read-only.
+    writable = [home] + [d for d in (os.environ.get('RLA_DESKTOP_RUN'),) if d]
+    self.jail = [shutil.which('bwrap'), '--ro-bind', '/', '/', '--dev-bind',
+                 '/dev', '/dev', '--proc', '/proc'] + [
+                     a for d in writable for a in ('--bind', d, d)] + [
+                         '--'] if sandbox else []
     self.tag = uuid.uuid4().hex
     os.makedirs(home, exist_ok=True)
     self.bin_dir = tempfile.mkdtemp(  # in desktop.sh's run dir if any
@@ -157,6 +174,12 @@ class Desktop:
     """Starts command in its own process group, in the apps' environment."""
     if not shell and command and command[0] in ('python', 'python3'):
       command = [self.python] + command[1:]
+    if self.jail:
+      if not shell and not shutil.which(command[0], path=self.env['PATH']):
+        raise FileNotFoundError(f'no program {command[0]!r}')
+      command = self.jail + (['/bin/sh', '-c', command] if shell else
+                             list(command))
+      shell = False
     proc = subprocess.Popen(command, shell=shell, cwd=self.home, env=self.env,
                             stdin=subprocess.DEVNULL, start_new_session=True,
                             **kwargs)
@@ -490,7 +513,7 @@ def serve(args):
   """Serves until SIGTERM / SIGINT; then kills the apps it started."""
   Atspi.set_timeout(desktop_a11y.A11Y_CALL_TIMEOUT_MS,
                     2 * desktop_a11y.A11Y_CALL_TIMEOUT_MS)
-  desk = Desktop(args.home, args.python)
+  desk = Desktop(args.home, args.python, args.sandbox)
   Handler.desk = desk
 
   class Server(http.server.ThreadingHTTPServer):

@@ -25,10 +25,13 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from rla_jax.envs import desktop
 from rla_jax.envs import osworld_eval
+
+WINDOW_WAIT_S = 20.0  # a task's apps must show a window within this
 
 
 class Local:
@@ -52,10 +55,12 @@ class Local:
 
   def start_task(self, spec: dict[str, Any]):
     self.client.reset()
+    launched = 0
     for step in spec.get('config', []):
       params = step.get('parameters', {})
       if step['type'] == 'launch':
         self.client.launch(params['command'], shell=params.get('shell', False))
+        launched += 1
       elif step['type'] == 'execute':
         result = self.client.execute(params['command'],
                                      shell=params.get('shell', False))
@@ -65,6 +70,22 @@ class Local:
                              f'{(result.get("error") or "")[-300:]}')
       else:
         threading.Event().wait(float(params.get('seconds', 1.0)))
+    self._wait_for_windows(launched)
+
+  def _wait_for_windows(self, count: int):
+    """Until the window manager shows `count` windows (apps start slower on
+    a loaded machine than a task's sleep assumes); then their first frame."""
+    deadline = time.monotonic() + WINDOW_WAIT_S
+    while count:
+      listed = self.client.execute(['wmctrl', '-l']).get('output') or ''
+      if len(listed.splitlines()) >= count:
+        time.sleep(0.3)
+        return
+      if time.monotonic() > deadline:
+        raise desktop.DesktopError(
+            f'{self}: {count} app windows did not appear within '
+            f'{WINDOW_WAIT_S:g} s (wmctrl -l: {listed.strip()!r})')
+      time.sleep(0.1)
 
   def screenshot(self) -> bytes:
     return self.client.screenshot()
