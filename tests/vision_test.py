@@ -495,4 +495,6 @@ def test_tower_remat_keeps_gradients(folder, folder_path, scan):
       np.testing.assert_allclose(g, w, atol=1e-6)
   if scan:  # the same tower as unrolled blocks
     tokens = lambda m: m.encode_images(patches).tokens_BxMxD
-    np.testing.assert_allclose(tokens(model), tokens(folder[1]), atol=1e-5)
+    # (float32 sums in another order: logits of ~13 differ by ~1e-5)
+    np.testing.assert_allclose(tokens(model), tokens(folder[1]), rtol=2e-6,
+                               atol=1e-5)
