@@ -125,20 +125,26 @@ def _a11y_node(node, depth, budget):
   if text:
     element.text = text
   if depth < A11Y_MAX_DEPTH:
-    try:
-      count = min(node.childCount, A11Y_MAX_WIDTH)
-    except Exception:  # pylint: disable=broad-except
-      count = 0
-    for i in range(count):
-      try:
-        child = node.getChildAtIndex(i)
-      except Exception:  # pylint: disable=broad-except
-        continue
-      if child is not None:
-        sub = _a11y_node(child, depth + 1, budget)
-        if sub is not None:
-          element.append(sub)
+    _append_children(element, node, depth + 1, budget, A11Y_MAX_WIDTH)
   return element
+
+
+def _append_children(element, node, depth, budget, width=None):
+  """The live children of `node` (the first `width`) as subtrees of
+  `element`; a child that is gone or hangs is skipped."""
+  try:
+    count = node.childCount
+  except Exception:  # pylint: disable=broad-except
+    return
+  for i in range(count if width is None else min(count, width)):
+    try:
+      child = node.getChildAtIndex(i)
+    except Exception:  # pylint: disable=broad-except
+      continue
+    if child is not None:
+      sub = _a11y_node(child, depth, budget)
+      if sub is not None:
+        element.append(sub)
 
 
 def accessibility_tree():
@@ -149,22 +155,9 @@ def accessibility_tree():
   for _ in range(100_000):
     if not context.iteration(False):
       break
-  desktop = pyatspi.Registry.getDesktop(0)
   root = ET.Element('desktop-frame')
   budget = _Budget()
-  try:
-    count = desktop.childCount
-  except Exception:  # pylint: disable=broad-except
-    count = 0
-  for i in range(count):
-    try:
-      app = desktop.getChildAtIndex(i)
-    except Exception:  # pylint: disable=broad-except
-      continue
-    if app is not None:
-      element = _a11y_node(app, 1, budget)
-      if element is not None:
-        root.append(element)
+  _append_children(root, pyatspi.Registry.getDesktop(0), 1, budget)
   if budget.truncated:
     root.set('truncated', 'true')
   return ET.tostring(root, encoding='unicode')

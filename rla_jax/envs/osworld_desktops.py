@@ -69,7 +69,7 @@ class Local:
                              f'{params["command"]!r} failed: '
                              f'{(result.get("error") or "")[-300:]}')
       else:
-        threading.Event().wait(float(params.get('seconds', 1.0)))
+        time.sleep(float(params.get('seconds', 1.0)))
     self._wait_for_windows(launched)
 
   def _wait_for_windows(self, count: int):
