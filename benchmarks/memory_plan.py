@@ -186,7 +186,8 @@ class Planner:
     optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-6, schedule='constant', warmup_steps=0,
         decay_steps=0, min_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8,
-        weight_decay=0.0, max_grad_norm=1.0, reset_every_epoch=False))
+        weight_decay=0.0, max_grad_norm=1.0, reset_every_epoch=False,
+        mu_dtype='float32'))
     train_config = ml_collections.ConfigDict(dict(
         micro_batch_size=micro, updates_per_epoch=1, global_batch_size=0,
         max_prompt_len=prompt, max_response_len=response,

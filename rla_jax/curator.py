@@ -239,18 +239,22 @@ def _clip(text: str, max_chars: int) -> str:
 def critique_prompt(description: str, traj: structs.Trajectory,
                     risky: Sequence[int],
                     judgments: Sequence[structs.Judgment] = (),
-                    max_chars: int = 300) -> str:
+                    max_chars: int = 300,
+                    observation_chars: int = 0) -> str:
   """Prompt asking the environment LLM why a rollout failed (steps 1-based).
 
-  For every high-risk step it also shows the agent's response and one RM
+  Each step's observation is clipped to `observation_chars` (0: whole). For
+  every high-risk step it also shows the agent's response and one RM
   rationale for the -1, each clipped to `max_chars`. The trajectory and
   those reasons are the prompt's cuttable middle (truncation.cuttable): an
   over-long prompt loses its oldest steps, never the task or the question.
   """
   lines = []
   for i, step in enumerate(traj.steps, start=1):
+    observation = (_clip(step.observation, observation_chars)
+                   if observation_chars else step.observation)
     lines.append(f'Step {i}\n  action: {step.action}\n'
-                 f'  observation: {step.observation}')
+                 f'  observation: {observation}')
   reasons = []
   for k in risky:
     reasons.append(
@@ -275,7 +279,7 @@ def critiques(
     pool: Sequence[structs.Task], fired: Mapping[str, str], env,
     trajectories: Sequence[structs.Trajectory],
     judgments: Sequence[structs.Judgment], generate: base.GenerateFn,
-    max_chars: int = 300
+    max_chars: int = 300, observation_chars: int = 0
 ) -> tuple[dict[str, list[str]], dict[str, float]]:
   """Critiques of the failed active rollouts of fired tasks, one LLM call.
 
@@ -290,7 +294,8 @@ def critiques(
   for t in failed:
     own = [j for j in judged if j.step_key == t.step_key(j.step)]
     prompts.append(critique_prompt(env.describe(by_id[t.task_id].active), t,
-                                   high_risk_steps(t, own), own, max_chars))
+                                   high_risk_steps(t, own), own, max_chars,
+                                   observation_chars))
   stats = {'curator/critiques': 0, 'curator/critique_parse_fail': 0,
            'curator/critique_errors': 0}
   out = {task_id: [] for task_id in fired}
@@ -329,7 +334,8 @@ def request_rewrites(
   fired = triggers(pool, accuracy, config.alpha_low, config.alpha_high)
   if config.critiques:
     notes, stats = critiques(pool, fired, env, trajectories, judgments,
-                             generate, config.critique_max_chars)
+                             generate, config.critique_max_chars,
+                             config.critique_observation_chars)
   else:
     notes, stats = {task_id: [] for task_id in fired}, {}
   stats.update({

@@ -120,7 +120,12 @@ class _Timer:
       print(f'epoch {self.epoch}: {stage}', flush=True)
     start = time.perf_counter()
     yield
-    self.values[f'time/{stage}_s'] = time.perf_counter() - start
+    seconds = self.values[f'time/{stage}_s'] = time.perf_counter() - start
+    metrics.release_free_memory()
+    rss = self.values['memory/peak_rss_gb'] = metrics.peak_rss_gb()
+    if self.chief and seconds >= 1:
+      print(f'epoch {self.epoch}: {stage} done in {seconds:.0f} s (peak RSS '
+            f'{rss:.1f} GB)', flush=True)
 
 
 def _win_rate(ok_trajs) -> float:
@@ -287,6 +292,8 @@ def _evaluate(run: runtime.Run, epoch: int) -> dict[str, float]:
   """
   config = run.config
   values: dict[str, float] = {}
+  if run.chief:
+    print(f'epoch {epoch}: evaluation', flush=True)
   start = time.perf_counter()
   for i, split in enumerate(config.eval.splits):
     specs = run.env.tasks(split)[:config.eval.num_tasks]
@@ -318,6 +325,11 @@ def _evaluate(run: runtime.Run, epoch: int) -> dict[str, float]:
                      feedback.rm_metrics(trajs, judgments,
                                          config.feedback.mode).items()})
   values['time/eval_s'] = time.perf_counter() - start
+  metrics.release_free_memory()
+  values['memory/peak_rss_gb'] = metrics.peak_rss_gb()
+  if run.chief:
+    print(f'epoch {epoch}: evaluation done in {values["time/eval_s"]:.0f} s '
+          f'(peak RSS {values["memory/peak_rss_gb"]:.1f} GB)', flush=True)
   return values
 
 

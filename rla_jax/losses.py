@@ -31,6 +31,12 @@ class LossConfig:
   log_ratio_clamp: float  # |log-ratio| bound before exp (the authors use 10)
   aggregation: str  # SEQUENCE_MEAN | TOKEN_MEAN
   compute_entropy: bool  # report entropy even when entropy_coef == 0
+  # The step's parameters are pi_old (the first optimizer step of an epoch,
+  # KL against pi_old): pi_old and the KL reference are the step's own
+  # log-probs (stop_gradient), so no separate log-prob pass is needed. The
+  # `old_logp` input then holds the sampler's log-probs (NaN where there are
+  # none) and only feeds the `gap_*` metrics.
+  on_policy: bool = False
 
   def __post_init__(self):
     if self.aggregation not in AGGREGATIONS:
@@ -208,6 +214,19 @@ def token_logprobs(hidden_BxTxD, w_VxD, targets_BxT, *, chunk: int = 0,
   return (logp_BxT, _unchunked(entropy)) if with_entropy else logp_BxT
 
 
+# Metrics reduced by max (over chunks, micro-batches and steps), not summed.
+MAX_METRICS = ('ratio_max', 'gap_max')
+
+
+def _gap_metrics(logp_BxC, sampler_BxC, mask_BxC):
+  """|sampler - trainer| log-prob over the tokens that have a sampler value."""
+  has_BxC = mask_BxC & ~jnp.isnan(sampler_BxC)
+  gap_BxC = jnp.where(has_BxC, jnp.abs(jnp.nan_to_num(sampler_BxC) -
+                                       jax.lax.stop_gradient(logp_BxC)), 0.0)
+  return dict(gap_sum=jnp.sum(gap_BxC), gap_count=jnp.sum(has_BxC).astype(
+      jnp.float32), gap_max=jnp.max(gap_BxC))
+
+
 def _head_loss_chunks(hidden_BxTxD, w_VxD, targets_BxT, data, config, chunk,
                       with_grads):
   """Loss, metrics and (optionally) gradients, one chunk of positions at a time.
@@ -232,11 +251,17 @@ def _head_loss_chunks(hidden_BxTxD, w_VxD, targets_BxT, data, config, chunk,
     h_BxCxD, y_BxC, old, ref, weights = chunk_xs
     z_BxCxV, lse_BxC, logp_BxC, entropy_BxC = _head_stats(
         h_BxCxD, w_VxD, y_BxC, with_entropy)
+    gaps = {}
+    if config.on_policy:
+      gaps = _gap_metrics(logp_BxC, old, weights > 0)
+      old = ref = jax.lax.stop_gradient(logp_BxC)
     if not with_grads:
-      return carry, loss_of(logp_BxC, entropy_BxC, old, ref, weights)
+      loss, metrics = loss_of(logp_BxC, entropy_BxC, old, ref, weights)
+      return carry, (loss, dict(metrics, **gaps))
     grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     out, (g_logp_BxC, g_entropy_BxC) = grad_fn(logp_BxC, entropy_BxC, old,
                                               ref, weights)
+    out = (out[0], dict(out[1], **gaps))
     # dz = g * (onehot - p) row by row. The row scale g is applied to the
     # narrow [B, C, D] operands instead of the [B, C, V] block: XLA:CPU would
     # fuse the whole per-token gradient into the block's loop otherwise and
@@ -265,9 +290,9 @@ def _head_loss_chunks(hidden_BxTxD, w_VxD, targets_BxT, data, config, chunk,
   dw_DxV = jnp.zeros((d, v), jnp.float32) if with_grads else None
   dw_DxV, ys = _scan_chunks(step, dw_DxV, xs)
   (loss, metrics), dh = ys if with_grads else (ys, None)
-  ratio_max = jnp.max(metrics.pop('ratio_max'))
+  maxima = {k: jnp.max(metrics.pop(k)) for k in MAX_METRICS if k in metrics}
   loss, metrics = jnp.sum(loss), jax.tree.map(jnp.sum, metrics)
-  metrics['ratio_max'] = ratio_max
+  metrics.update(maxima)
   if not with_grads:
     return loss, metrics
   return loss, metrics, _unchunked(dh), dw_DxV.T.astype(w_VxD.dtype)

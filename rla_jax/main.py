@@ -61,6 +61,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   _size_cpu_thread_pool()
+  # pylint: disable=g-import-not-at-top
+  from rla_jax import metrics
+  metrics.limit_malloc_arenas()  # before jax starts its threads
   if not flags.FLAGS['verbosity'].present:
     # orbax logs every save at INFO; `-v 0` brings it back.
     logging.set_verbosity(logging.WARNING)

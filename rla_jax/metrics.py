@@ -6,15 +6,36 @@ Only process 0 writes; other processes get a writer that does nothing.
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import json
 import math
 import os
+import resource
 import sys
 import time
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+
+
+def _import_tensorboardx():
+  """tensorboardX, without the torch it imports when torch is installed.
+
+  Its writer tries `import torch` only to accept torch tensors; we log floats
+  and numpy arrays, and torch would cost every run ~2 s and ~190 MB of RAM.
+  The import is blocked for that one module load (a torch imported earlier,
+  e.g. by a test, is used as is).
+  """
+  if 'tensorboardX' in sys.modules or 'torch' in sys.modules:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+    return tensorboardX
+  sys.modules['torch'] = None  # `import torch` raises ImportError meanwhile
+  try:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+  finally:
+    del sys.modules['torch']
+  return tensorboardX
 
 
 class Writer:
@@ -25,8 +46,7 @@ class Writer:
     self._tb = None
     self._jsonl = None
     if enabled:
-      # Imported lazily: tensorboardX pulls in torch when it is installed.
-      import tensorboardX  # pylint: disable=g-import-not-at-top
+      tensorboardX = _import_tensorboardx()
       os.makedirs(logdir, exist_ok=True)
       self._tb = tensorboardX.SummaryWriter(logdir)
       self._jsonl = open(os.path.join(logdir, 'metrics.jsonl'), 'a')
@@ -61,6 +81,38 @@ class Writer:
     if self.enabled:
       self._tb.close()
       self._jsonl.close()
+
+
+def peak_rss_gb() -> float:
+  """This process's peak resident memory so far, in GB (10^9 bytes)."""
+  kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+  return kib * 1024 / 1e9
+
+
+def _libc():
+  try:
+    return ctypes.CDLL('libc.so.6')
+  except OSError:  # not glibc (macOS, musl): nothing to tune
+    return None
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+  """Caps glibc's malloc arenas (call before threads start).
+
+  glibc gives each thread that allocates its own arena (up to 8 per core);
+  XLA's worker threads then leave freed buffers scattered over many arenas
+  and the process's RSS keeps growing across stages.
+  """
+  libc = _libc()
+  if libc is not None and hasattr(libc, 'mallopt'):
+    libc.mallopt(-8, arenas)  # M_ARENA_MAX
+
+
+def release_free_memory() -> None:
+  """Hands the heap's free pages back to the OS (glibc malloc_trim)."""
+  libc = _libc()
+  if libc is not None and hasattr(libc, 'malloc_trim'):
+    libc.malloc_trim(0)
 
 
 PLAIN_EVERY_S = 20.0  # a progress line at most this often in plain logs

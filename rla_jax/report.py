@@ -99,6 +99,24 @@ def _rm_cells(rows, first, last, split: str) -> list[tuple[str, str, str]]:
   return out
 
 
+def _rewrites_cell(rows) -> str:
+  """'requested / accepted / rejected (why)' over the run.
+
+  A request is rejected either before it is rolled out (no valid proposal:
+  `curator/rewrite_failures` and `rewrite_unchanged`) or after its rollouts
+  were measured (`curator/rejected`).
+  """
+  total = lambda k: int(sum(r.get(f'curator/{k}', 0) for r in rows))
+  requested, accepted, measured = (total('requested'), total('accepted'),
+                                   total('rejected'))
+  if any('curator/rewrite_failures' in r for r in rows):
+    invalid = total('rewrite_failures') + total('rewrite_unchanged')
+  else:
+    invalid = requested - total('created')
+  return (f'{requested} / {accepted} / {invalid + measured} ({invalid} '
+          f'without a valid proposal, {measured} after measuring)')
+
+
 def table(rows: Sequence[dict[str, Any]], workdir: str) -> str:
   """The end-of-run summary as aligned text."""
   lines: list[tuple[str, str, str]] = []
@@ -113,9 +131,8 @@ def table(rows: Sequence[dict[str, Any]], workdir: str) -> str:
     lines.append(('training rollout accuracy',
                   _fmt(train[0]['rollout/accuracy']),
                   _fmt(train[-1]['rollout/accuracy'])))
-  totals = {k: sum(r.get(f'curator/{k}', 0) for r in rows) for k in _CURATOR}
-  lines.append(('rewrites requested / created / accepted / rejected', '',
-                ' / '.join(str(int(totals[k])) for k in _CURATOR)))
+  lines.append(('rewrites requested / accepted / rejected', '',
+                _rewrites_cell(rows)))
   for stage in _STAGES:
     seconds = [r[f'time/{stage}_s'] for r in rows if f'time/{stage}_s' in r]
     if seconds:
@@ -124,6 +141,9 @@ def table(rows: Sequence[dict[str, Any]], workdir: str) -> str:
                      f'({sum(seconds) / len(seconds):.1f} s each)'))
   epochs = [r['time/epoch_s'] for r in rows if 'time/epoch_s' in r]
   lines.append(('epochs', '', f'{len(epochs)} ({sum(epochs):.0f} s)'))
+  rss = [r['memory/peak_rss_gb'] for r in rows if 'memory/peak_rss_gb' in r]
+  if rss:
+    lines.append(('peak RSS', '', f'{max(rss):.1f} GB'))
   width = max(len(name) for name, _, _ in lines)
   head = f'{"":{width}}  {"before":34s}  after'
   body = [f'{name:{width}}  {before:34s}  {after}'

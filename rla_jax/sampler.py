@@ -120,7 +120,8 @@ def _widen(cache: transformer.KVCache, length: int) -> transformer.KVCache:
 
 
 def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
-              seed, patches=None, positions_BxCx3=None, *, plan: _Plan):
+              seed, temperature, patches=None, positions_BxCx3=None, *,
+              plan: _Plan):
   """Appends each row's chunk to the cache, then samples until all are done.
 
   The chunk's last token is fed by the first loop step, so the prefill never
@@ -168,7 +169,8 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
         jax.random.fold_in(k, s.step), (), minval=tiny))(row_keys)
     live = ~s.done_B
     token_B = jnp.where(live, sampling.next_token(logits_BxV, u_B,
-                                                  plan.sampling), 0)
+                                                  plan.sampling, temperature),
+                        0)
     logprob_B = jnp.where(live, sampling.logprob(logits_BxV, token_B), 0.)
     hit_B = live & jnp.any(token_B[:, None] == stop_ids_1xK, axis=1)
     at = (0, s.step)
@@ -247,7 +249,8 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
   each prompt holds that many image patches (a Qwen3-VL model of
   `vision_config`), which the tower encodes in the program.
   """
-  plan = _Plan(params_sampling, max_new_tokens, num_samples,
+  plan = _Plan(dataclasses.replace(params_sampling, temperature=1.0),
+               max_new_tokens, num_samples,
                tuple(stop_token_ids), prompt_len + max_new_tokens,
                transpose_head, tuple(rules))
 
@@ -270,7 +273,8 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
         arg(rows, jnp.int32, ('batch', 'length')),
         arg(rows, bool, ('batch', 'length')),
         arg((batch,), jnp.int32, ('batch',)), arg((batch,), bool, ('batch',)),
-        np.uint32(0), *images, plan=plan)
+        np.uint32(0), np.float32(params_sampling.temperature), *images,
+        plan=plan)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -491,6 +495,8 @@ def generate(model: transformer.Transformer,
                      'be >= 1')
   if stop_strings and tokenizer is None:
     raise ValueError('stop_strings need a tokenizer')
+  if temperature < 0:
+    raise ValueError(f'temperature={temperature} must be >= 0')
   if session is not None and len(prompts) != len(session.conversations):
     raise ValueError(f'{len(prompts)} prompts for a session of '
                      f'{len(session.conversations)} rows')
@@ -529,7 +535,9 @@ def generate(model: transformer.Transformer,
   live[:len(prompts)] = [p is not None for p in prompts]
   if transpose_head is None:
     transpose_head = jax.default_backend() == 'cpu'
-  plan = _Plan(sampling.Params(temperature, top_p, top_k,
+  # The temperature is an argument of the program, not part of it: greedy
+  # evaluation and sampled rollouts share compiled programs.
+  plan = _Plan(sampling.Params(1.0, top_p, top_k,
                                tuple(int(t) for t in allowed_token_ids)),
                max_new_tokens, g,
                tuple(int(t) for t in stop_token_ids), rows.length,
@@ -542,7 +550,7 @@ def generate(model: transformer.Transformer,
         _put(mask, mesh, rules, ('batch', 'length')),
         _put(start, mesh, rules, ('batch',)),
         _put(live, mesh, rules, ('batch',)),
-        np.uint32(seed), *extra, plan=plan)
+        np.uint32(seed), np.float32(temperature), *extra, plan=plan)
   out, cuts = _finish(tokens, logprobs, num, prompts, g, plan.stop_token_ids,
                       stop_strings, tokenizer)
   if keep_session:

@@ -117,18 +117,32 @@ def _inverse_cdf(weights_BxV, u_B):
   return blk_B * _BLOCK + within_B
 
 
-def next_token(logits_BxV, u_B, params: Params):
-  """Samples one token per row; `u_B` holds one uniform in (0, 1) per row."""
+def next_token(logits_BxV, u_B, params: Params, temperature=None):
+  """Samples one token per row; `u_B` holds one uniform in (0, 1) per row.
+
+  `temperature`, when given, is a traced scalar that replaces
+  `params.temperature` (0: greedy), so greedy and sampled decoding share one
+  compiled program; both choices are computed (a few ms per step at most).
+  """
   if params.allowed_token_ids:
     allowed_V = jnp.zeros(logits_BxV.shape[-1], bool).at[
         jnp.asarray(params.allowed_token_ids)].set(True)
     logits_BxV = jnp.where(allowed_V[None, :], logits_BxV, -jnp.inf)
+  if temperature is not None:
+    safe = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    sampled_B = _sample(logits_BxV, u_B, params, safe)
+    return jnp.where(temperature > 0, sampled_B, argmax(logits_BxV))
   if params.temperature == 0:
     return argmax(logits_BxV)
+  return _sample(logits_BxV, u_B, params, params.temperature)
+
+
+def _sample(logits_BxV, u_B, params: Params, temperature):
+  """Temperature, then top-k and top-p filters, then one draw per row."""
   max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
   scaled_BxV = logits_BxV - max_Bx1
-  if params.temperature != 1:
-    scaled_BxV = scaled_BxV / params.temperature
+  if not isinstance(temperature, (int, float)) or temperature != 1:
+    scaled_BxV = scaled_BxV / temperature
   weights_BxV = jnp.exp(scaled_BxV)
   if params.top_k:
     keys_BxV = _ordered_keys(scaled_BxV)

@@ -92,15 +92,22 @@ def make_schedule(optim_config) -> optax.Schedule:
 def make_optimizer(optim_config) -> optax.GradientTransformation:
   """Global-norm clipping (on the accumulated gradient), then AdamW.
 
+  `optim.mu_dtype` 'bfloat16' keeps Adam's first moment in bfloat16 (a
+  quarter of the optimizer memory saved; the second moment stays float32).
+
   The AdamW hyper-parameters (and a constant learning rate) live in the
   optimizer state rather than in the compiled program.
   """
   schedule = make_schedule(optim_config)
   if optim_config.schedule == 'constant' and optim_config.warmup_steps <= 0:
     schedule = float(optim_config.learning_rate)
-  adamw = optax.inject_hyperparams(optax.adamw)(
+  if optim_config.mu_dtype not in ('float32', 'bfloat16'):
+    raise ValueError(f'optim.mu_dtype={optim_config.mu_dtype!r}: float32 or '
+                     'bfloat16')
+  adamw = optax.inject_hyperparams(optax.adamw, static_args=('mu_dtype',))(
       learning_rate=schedule, b1=optim_config.b1, b2=optim_config.b2,
-      eps=optim_config.eps, weight_decay=optim_config.weight_decay)
+      eps=optim_config.eps, weight_decay=optim_config.weight_decay,
+      mu_dtype=jnp.dtype(optim_config.mu_dtype))
   if optim_config.max_grad_norm <= 0:
     return adamw
   return optax.chain(optax.clip_by_global_norm(optim_config.max_grad_norm),
@@ -230,7 +237,7 @@ def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
     init = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
                                   params))
   grads, (loss_M, metrics_M) = _over_micro_batches(micro, init, xs, active_M)
-  metrics = {k: jnp.max(v) if k == 'ratio_max' else jnp.sum(v)
+  metrics = {k: jnp.max(v) if k in losses.MAX_METRICS else jnp.sum(v)
              for k, v in metrics_M.items()}
   metrics.update(tokens=num_tokens, sequences=num_sequences)
   return grads, jnp.sum(loss_M), metrics
@@ -316,11 +323,13 @@ class Trainer:
     self.vision_config = config.vision
     self.tx = make_optimizer(optim_config)
     self.loss_cfg = loss_config(train_config)
+    step_fn = functools.partial(
+        policy_step if kind == POLICY else reward_step,
+        graphdef=self.graphdef, tx=self.tx, head_chunk=train_config.head_chunk)
     fns = dict(
-        step=functools.partial(
-            policy_step if kind == POLICY else reward_step,
-            graphdef=self.graphdef, tx=self.tx, loss_cfg=self.loss_cfg,
-            head_chunk=train_config.head_chunk),
+        step=functools.partial(step_fn, loss_cfg=self.loss_cfg),
+        step_on_policy=functools.partial(step_fn, loss_cfg=dataclasses.replace(
+            self.loss_cfg, on_policy=True)),
         logprobs=functools.partial(logprob_pass, graphdef=self.graphdef,
                                    head_chunk=train_config.head_chunk),
         init=lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
@@ -329,6 +338,8 @@ class Trainer:
     self.shardings = None
     if mesh is None:
       self._step = jax.jit(fns['step'], donate_argnums=(0,))
+      self._step_on_policy = jax.jit(fns['step_on_policy'],
+                                     donate_argnums=(0,))
       self._logprobs = jax.jit(fns['logprobs'])
       self._init = jax.jit(fns['init'])
       self._init_opt = jax.jit(fns['init_opt'])
@@ -344,9 +355,11 @@ class Trainer:
         mesh, sharding.spec((None, 'batch'), None, mesh, rules))
     self._check_batch_split(mesh, batch_sh)
     self.shardings = dict(params=params_sh, batch=batch_sh)
-    fns['step'] = functools.partial(fns['step'], grad_shardings=params_sh)
-    self._step = jax.jit(fns['step'], in_shardings=(state_sh, batch_sh),
-                         out_shardings=(state_sh, repl), donate_argnums=(0,))
+    self._step, self._step_on_policy = (
+        jax.jit(functools.partial(fns[name], grad_shardings=params_sh),
+                in_shardings=(state_sh, batch_sh),
+                out_shardings=(state_sh, repl), donate_argnums=(0,))
+        for name in ('step', 'step_on_policy'))
     self._logprobs = jax.jit(fns['logprobs'],
                              in_shardings=(params_sh, batch_sh),
                              out_shardings=batch_sh)
@@ -400,10 +413,17 @@ class Trainer:
       return self._logprobs(self._put(params, 'params'),
                             self._put(batch, 'batch'))
 
-  def step(self, state: TrainState, batch: batching.Batch):
-    """One optimizer step; `state` is donated. Returns (state, metrics)."""
+  def step(self, state: TrainState, batch: batching.Batch, *,
+           on_policy: bool = False):
+    """One optimizer step; `state` is donated. Returns (state, metrics).
+
+    on_policy: `state.params` are pi_old and the KL reference (see
+    losses.LossConfig.on_policy); the batch's old_logp holds the sampler's
+    log-probs, NaN where there are none.
+    """
+    step = self._step_on_policy if on_policy else self._step
     with sharding.use(self.mesh, self.rules):
-      return self._step(state, self._put(batch, 'batch'))
+      return step(state, self._put(batch, 'batch'))
 
 
 def _epoch_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
@@ -411,7 +431,7 @@ def _epoch_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
   out = dict(tokens=0.0, sequences=0.0)
   for key in per_step[0] if per_step else ():
     values = [m[key] for m in per_step]
-    if key == 'ratio_max':
+    if key in losses.MAX_METRICS:
       out[key] = max(values)
     elif key in ('tokens', 'sequences'):
       out[key] = sum(values)
@@ -455,39 +475,67 @@ def logprob_gaps(old_NxR: np.ndarray,
   return np.concatenate(gaps) if gaps else np.zeros((0,), np.float32)
 
 
-def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
-  """One Batch per optimizer step, with pi_old (and reference) log-probs.
+def sampler_logprobs(examples: Sequence[structs.Example], shape) -> np.ndarray:
+  """The examples' sampler log-probs laid out as `batching.pack` lays out
+  their responses (shape [M, B, R]); NaN where there is none."""
+  out = np.full((int(np.prod(shape[:-1])), shape[-1]), np.nan, np.float32)
+  for row, example in enumerate(examples):
+    n = min(len(example.logprobs), len(example.response_tokens), shape[-1])
+    out[row, :n] = example.logprobs[:n]
+  return out.reshape(shape)
 
-  Also returns the sampler/trainer log-prob gaps of all response tokens.
+
+def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
+  """(Batch, on_policy) per optimizer step, with pi_old (and reference)
+  log-probs, and the sampler/trainer log-prob gaps of the off-policy steps.
+
+  The first step runs at pi_old itself: with the KL taken against pi_old it
+  needs no log-prob pass (losses.LossConfig.on_policy), and measures the
+  gaps in the step. Later steps get pi_old from one pass before any update.
   """
   c = trainer.train_config
   batches, gaps = [], []
-  for group in groups:
+  for i, group in enumerate(groups):
     batch = batching.pack(group, micro_batch_size=c.micro_batch_size,
                           prompt_buckets=c.prompt_buckets,
                           response_buckets=c.response_buckets,
                           vision_config=trainer.vision_config)
+    if i == 0 and ref_params is None:
+      batches.append((batch.replace(old_logp_MxBxR=sampler_logprobs(
+          group, batch.old_logp_MxBxR.shape)), True))
+      continue
     old = trainer.logprobs(state.params, batch)
     ref = old if ref_params is None else trainer.logprobs(ref_params, batch)
-    batches.append(batch.replace(old_logp_MxBxR=old, ref_logp_MxBxR=ref))
+    batches.append((batch.replace(old_logp_MxBxR=old, ref_logp_MxBxR=ref),
+                    False))
     old_NxR = sharding.to_host(old)
     gaps.append(logprob_gaps(old_NxR.reshape(-1, old_NxR.shape[-1]), group))
-  return batches, np.concatenate(gaps)
+  return batches, (np.concatenate(gaps) if gaps else
+                   np.zeros((0,), np.float32))
 
 
-def _gap_metrics(trainer: Trainer, gaps: np.ndarray,
+_GAP_KEYS = ('gap_sum', 'gap_count', 'gap_max')
+
+
+def _gap_metrics(trainer: Trainer, gaps: np.ndarray, in_step: dict[str, float],
                  epoch: int) -> dict[str, float]:
-  if not gaps.size:
+  """Mean and max |sampler - pi_old| over the host-side gaps and those the
+  on-policy step measured (`in_step`: gap_sum, gap_count, gap_max)."""
+  count = gaps.size + in_step.get('gap_count', 0.0)
+  if not count:
     return {}
-  mean, bound = float(gaps.mean()), trainer.train_config.logprob_gap_warn
+  mean = (float(gaps.sum()) + in_step.get('gap_sum', 0.0)) / count
+  top = max(float(gaps.max()) if gaps.size else 0.0,
+            in_step.get('gap_max', 0.0))
+  bound = trainer.train_config.logprob_gap_warn
   if mean > bound:
     logging.warning(
         '%s epoch %d: sampler and trainer log-probs differ by %.4f on average '
         '(max %.4f) over %d response tokens, above train.logprob_gap_warn=%g; '
         'the importance ratios are biased (check dtypes, prompt limits and '
-        'the chat template)', trainer.kind, epoch, mean, float(gaps.max()),
-        gaps.size, bound)
-  return {'logprob_gap_mean': mean, 'logprob_gap_max': float(gaps.max())}
+        'the chat template)', trainer.kind, epoch, mean, top, int(count),
+        bound)
+  return {'logprob_gap_mean': mean, 'logprob_gap_max': top}
 
 
 def update(trainer: Trainer, state: TrainState,
@@ -535,11 +583,13 @@ def update(trainer: Trainer, state: TrainState,
     state = trainer.reset_optimizer(state)
   groups = _steps(c, kept, epoch)
   batches, gaps = _batches(trainer, state, groups, ref_params)
-  per_step, skipped = [], 0
-  for i, (group, batch) in enumerate(zip(groups, metrics_lib.progress(
-      batches, desc=f'{trainer.kind} updates'), strict=True)):
-    state, metrics = trainer.step(state, batch)
+  per_step, skipped, in_step = [], 0, {}
+  for i, (group, (batch, on_policy)) in enumerate(zip(
+      groups, metrics_lib.progress(batches, desc=f'{trainer.kind} updates'),
+      strict=True)):
+    state, metrics = trainer.step(state, batch, on_policy=on_policy)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    in_step.update({k: metrics.pop(k) for k in _GAP_KEYS if k in metrics})
     if np.isfinite(metrics['loss']) and np.isfinite(metrics['grad_norm']):
       trainer.nonfinite_streak = 0
       per_step.append(metrics)
@@ -562,7 +612,7 @@ def update(trainer: Trainer, state: TrainState,
           'the count', state)
   out = dict(_epoch_metrics(per_step), **base, steps=float(len(per_step)),
              skipped_steps=float(skipped),
-             **_gap_metrics(trainer, gaps, epoch))
+             **_gap_metrics(trainer, gaps, in_step, epoch))
   out['time_s'] = time.perf_counter() - start
   out['tokens_per_s'] = out['tokens'] / out['time_s']
   return state, out

@@ -21,7 +21,8 @@ HARDER, EASIER = structs.HARDER, structs.EASIER
 def make_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       num_tasks=2, alpha_low=0.2, alpha_high=0.8, rewrite_attempts=3,
-      pending_max_tries=2, critique_max_chars=40, critiques=True))
+      pending_max_tries=2, critique_max_chars=40, critiques=True,
+      critique_observation_chars=0))
   config.update(overrides)
   return config
 
@@ -260,6 +261,13 @@ def test_critiques_reach_the_rewrite_hook():
   assert prompts[1].index(truncation.CUT_BEGIN) > prompts[1].index('t1 away')
   assert prompts[1].rindex(truncation.CUT_END) < prompts[1].index('two sent')
   assert '\\boxed{}' in prompts[0]
+  # Long observations can be clipped (critique_observation_chars).
+  clip_generate = FakeGenerate(bad=(2,))
+  curator.request_rewrites(pool, FakeEnv(), trajectories, judgments, accuracy,
+                           clip_generate, 4,
+                           make_config(critique_observation_chars=5))
+  assert ('Step 3\n  action: go 2\n  observation: ro...' in
+          truncation.plain(clip_generate.calls[0][1]))
   assert [c['spec']['id'] for c in env.calls] == ['t0', 't1']
   assert env.calls[0]['critiques'] == ['critique 1.0 {ok}']
   assert env.calls[1]['critiques'] == ['critique 1.1 {ok}']  # 1.2 unparsed

@@ -107,7 +107,7 @@ def test_second_invocation_resumes_at_epoch_three(two_epochs, tmp_path):
   # The end-of-run table (rla_jax/report.py) closes the run's output.
   table = out[out.index('eval accuracy (eval) [95% CI]'):]
   for row in ('(epoch 0)', '(epoch 3)', 'RM outcome acc (eval rollouts)',
-              'rewrites requested / created / accepted / rejected',
+              'rewrites requested / accepted / rejected', 'peak RSS',
               'time rollout', 'time rm_update',
               f'TensorBoard: tensorboard --logdir {workdir}/tb'):
     assert row in table, row

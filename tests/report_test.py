@@ -54,8 +54,8 @@ def test_wilson_interval_matches_hand_computed_values():
 
 def test_table_has_every_row_and_the_picture_its_size(tmp_path):
   # Epoch 2's row comes from a run that was resumed: its eval row merges.
-  rows = [_eval(0, 0.25, 32), _epoch(1, 0.3), _epoch(2, 0.5),
-          _eval(2, 0.5, 32)]
+  rows = [_eval(0, 0.25, 32), _epoch(1, 0.3, **{'memory/peak_rss_gb': 3.5}),
+          _epoch(2, 0.5, **{'memory/peak_rss_gb': 3.25}), _eval(2, 0.5, 32)]
   workdir = _workdir(tmp_path, rows)
   table = report.write(workdir)
   lines = table.splitlines()
@@ -68,9 +68,10 @@ def test_table_has_every_row_and_the_picture_its_size(tmp_path):
   assert any(l.startswith('RM process acc (seen rollouts)') for l in lines)
   assert any(l.startswith('training rollout accuracy') and
              l.split()[-2:] == ['0.300', '0.500'] for l in lines)
-  assert any(l.startswith('rewrites requested / created / accepted / '
-                          'rejected') and l.endswith('4 / 2 / 1 / 2')
-             for l in lines)
+  assert any(l.startswith('rewrites requested / accepted / rejected') and
+             l.endswith('4 / 1 / 4 (2 without a valid proposal, 2 after '
+                        'measuring)') for l in lines)
+  assert any(l.startswith('peak RSS') and l.endswith('3.5 GB') for l in lines)
   assert any(l.startswith('time rollout') and '20 s over 2 (10.0 s each)' in l
              for l in lines)
   assert any(l.startswith('time eval') for l in lines)

@@ -137,6 +137,26 @@ def test_cached_decode_equals_full_forward(qwen2):
                                  atol=1e-5)
 
 
+def test_greedy_and_sampled_calls_share_one_program(qwen2):
+  """The temperature is an argument: evaluation (greedy) and rollouts
+  (sampled) of one shape run the same compiled program."""
+  model = qwen2[0]
+  prompts = _prompts([5, 7])
+  sampled = sampler.generate(model, prompts, N, temperature=0.9, seed=3)
+  before = sampler.num_traces()
+  greedy = sampler.generate(model, prompts, N, temperature=0.0)
+  again = sampler.generate(model, prompts, N, temperature=0.9, seed=3)
+  assert sampler.num_traces() == before
+  assert again.tokens == sampled.tokens
+  # Greedy rows pick the argmax of the teacher-forced logits.
+  for prompt, tokens in zip(prompts, greedy.tokens):
+    logits = model(jnp.asarray([list(prompt) + tokens[:-1]]))[0]
+    assert tokens == np.asarray(
+        jnp.argmax(logits[len(prompt) - 1:], axis=-1)).tolist()
+  with pytest.raises(ValueError, match='temperature'):
+    sampler.generate(model, prompts, N, temperature=-1.0)
+
+
 def test_top_k_one_is_greedy_and_filters_match_sorting(qwen2):
   model = qwen2[0]
   prompts = _prompts([4, 9, 6])

@@ -138,41 +138,68 @@ def test_clean_text_drops_status_line_and_menu():
   assert twtext.clean_text(raw) == 'You unlock the box.\n\n*** The End ***'
 
 
-def test_judge_messages(tmp_path):
-  env = tw.TextWorldEnv(str(tmp_path), judge_prefix='Score: \\boxed{')
-  policy_prompt = ('<|im_start|>user\nTask: take the apple.\n\nCurrent '
-                   f'observation:\n{OBS}\n\nThink briefly.<|im_end|>\n'
+def test_clean_text_drops_textworld_filler():
+  assert twtext.clean_text('Welcome to TextWorld! Rest the bug on the pan.') == (
+      'Rest the bug on the pan.')
+  assert twtext.clean_text(
+      'You see a dresser. Wow, isn\'t TextWorld just the best? It is open.'
+  ) == 'You see a dresser. It is open.'
+
+
+@needs_textworld
+def test_judge_messages(env):
+  policy_prompt = ('<|im_start|>user\nTask: take the apple.\n\nYour actions '
+                   'so far: look; go north\n\nCurrent observation:\n'
+                   f'{OBS}\n\nChoose the action that brings you closest to '
+                   'the task and write it.<|im_end|>\n'
                    '<|im_start|>assistant\nThe best action is \\boxed{')
-  messages = env.judge_messages(EASY, policy_prompt, '3}',
-                                'You take the apple.')
-  assert [m['role'] for m in messages] == ['user', 'assistant']
-  content = messages[0]['content']
-  assert 'Task: take the apple.' in content
-  assert content.count('The best action is') == 1  # prefix not repeated
-  assert '[assistant]' not in content
-  assert '<|im_start|>' not in content and '<|im_end|>' not in content
-  assert 'The best action is \\boxed{3}' in content
+  messages = env.judge_messages(EASY, policy_prompt, 'take apple}',
+                                'You take the apple.\n\nAdmissible actions:'
+                                '\n1. look')
+  assert [m['role'] for m in messages] == ['system', 'user', 'assistant']
+  content = messages[1]['content']
+  objective = twtext.clean_text(env.game(EASY)['objective'])
+  assert content.startswith(f'Task: {objective}\n')  # from the spec's game
+  assert 'Your actions so far: look; go north\n' in content
+  assert 'Observation:\n-= Kitchen =-\nA fridge.\n' in content
+  assert 'Admissible actions' not in content  # lists are left out
+  assert "Agent's answer" not in content  # it says no more than the action
   assert 'Executed action: take apple\n' in content
-  assert 'You take the apple.' in content
+  assert 'Next observation:\nYou take the apple.\n' in content
   assert '\\boxed{1}' in content and '\\boxed{-1}' in content
-  assert messages[1]['content'] == 'Score: \\boxed{'
+  assert messages[2]['content'] == 'Score: \\boxed{'
   messages = env.judge_messages(EASY, policy_prompt, 'no idea', 'Huh?')
-  assert 'the first one was executed' in messages[0]['content']
+  assert 'the first one was executed' in messages[1]['content']
+  # Reasoning before the box is shown to the RM (clipped in the middle).
+  thought = 'The apple is in the fridge, so ' + 'x' * 900
+  content = env.judge_messages(EASY, policy_prompt,
+                               f'{thought} \\boxed{{take apple}}',
+                               'ok')[1]['content']
+  answer = content[content.index("Agent's answer: "):].split('\n')[0]
+  assert 'The apple is in the fridge' in answer and ' ... ' in answer
+  assert len(answer) < 650
   env.judge_prefix = ''
-  assert len(env.judge_messages(EASY, policy_prompt, '3}', 'ok')) == 1
+  try:
+    assert len(env.judge_messages(EASY, policy_prompt, '3}', 'ok')) == 2
+  finally:
+    env.judge_prefix = 'Score: \\boxed{'
 
 
 def test_from_config(tmp_path):
   env_config = ml_collections.ConfigDict(dict(
       name='textworld', game_dir='', max_turns=6, num_train=4, num_eval=2,
       seed=1, nb_rooms=(1, 2), nb_objects=(2, 4), quest_length=(1, 2),
-      max_knobs=(5, 10, 5), max_history=3, answer_format='text',
+      max_knobs=(5, 10, 5), max_history=3, history='actions',
+      answer_format='text',
       answer_prefix='A: \\boxed{',
       judge_prefix='', rewrite_prefix='', max_critiques=4, gen_tries=2))
   env = tw.from_config(env_config, str(tmp_path))
   assert env.game_dir == str(tmp_path / 'games')
   assert env.max_turns == 6 and len(env.tasks('train')) == 4
   assert env.max_knobs == (5, 10, 5) and env.answer_prefix == 'A: \\boxed{'
+  assert env.history == 'actions'
+  with pytest.raises(ValueError, match='history'):
+    tw.TextWorldEnv(str(tmp_path), history='all')
   assert env.answer_format == 'text'
   env_config.game_dir = str(tmp_path / 'shared')
   assert tw.from_config(env_config, 'x').game_dir == str(tmp_path / 'shared')
@@ -256,9 +283,10 @@ def test_policy_messages(env):
   second, _, _ = episode.step(action)
   episode.close()
   messages = env.policy_messages(TWO, [(first, action)], second)
-  assert [m['role'] for m in messages] == ['user', 'assistant']
-  assert messages[1]['content'] == 'The best action is \\boxed{'
-  content = messages[0]['content']
+  assert [m['role'] for m in messages] == ['system', 'user', 'assistant']
+  assert messages[2]['content'] == 'The best action is \\boxed{'
+  assert 'text adventure game' in messages[0]['content']
+  content = messages[1]['content']
   assert twtext.clean_text(env.game(TWO)['objective']) in content
   assert f'Action: {action}' in content
   assert content.count(twtext.split_observation(first)[0]) == 1  # history text
@@ -274,13 +302,20 @@ def test_policy_messages(env):
   assert 'chosen action inside \\boxed{}, exactly as listed' in content
   assert 'for example' not in content  # SmolLM2 copies example answers
   env.answer_format = 'index'
-  content = env.policy_messages(TWO, [], second)[0]['content']
+  content = env.policy_messages(TWO, [], second)[1]['content']
   assert 'number of the chosen action in \\boxed{}' in content
   env.answer_format = 'text'
   env.max_history = 0
   assert 'Previous steps' not in env.policy_messages(
-      TWO, [(first, action)], second)[0]['content']
-  env.max_history = 4
+      TWO, [(first, action)], second)[1]['content']
+  # history='actions': one line of the earlier actions, no observations.
+  env.max_history, env.history = 4, 'actions'
+  content = env.policy_messages(TWO, [(first, action), (second, 'look')],
+                                second)[1]['content']
+  assert f'Your actions so far: {action}; look\n' in truncation.plain(content)
+  assert 'Observation:' not in content
+  assert content.count(twtext.split_observation(first)[0]) == 0
+  env.history = 'observations'
   # What the policy answers in that prompt maps back to an admissible action.
   assert env.parse_action('1}', second) == twtext.split_observation(second)[1][0]
 

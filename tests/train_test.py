@@ -29,7 +29,8 @@ MODEL = nnx.split(transformer.abstract_model(CONFIG))[0]  # the graphdef
 def optim_config(**overrides):
   values = dict(learning_rate=1e-2, schedule='constant', warmup_steps=0,
                 decay_steps=0, min_lr_ratio=0.0, b1=0.9, b2=0.999, eps=1e-8,
-                weight_decay=0.0, max_grad_norm=1.0, reset_every_epoch=False)
+                weight_decay=0.0, max_grad_norm=1.0, reset_every_epoch=False,
+                mu_dtype='float32')
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 
@@ -202,6 +203,54 @@ def test_first_update_is_on_policy_and_loss_goes_down(trainer, params):
   assert metrics['clip_frac'] > 0  # later steps are off-policy
 
 
+def test_on_policy_step_needs_no_logprob_pass(trainer, reference, params):
+  """The first step of an epoch takes pi_old from its own forward pass: the
+  same parameters and metrics as the step given a separate pi_old pass."""
+  batch, (expected_params, expected) = reference
+  sampler = np.full(batch.old_logp_MxBxR.shape, np.nan, np.float32)
+  sampler[0, :2, :3] = np.asarray(batch.old_logp_MxBxR)[0, :2, :3] - 0.25
+  on_policy = batch.replace(old_logp_MxBxR=sampler,
+                            ref_logp_MxBxR=np.zeros_like(sampler))
+  state, metrics = trainer.step(trainer.init_state(params), on_policy,
+                                on_policy=True)
+  metrics = host(metrics)
+  assert_trees_close(state.params, expected_params, atol=1e-6)
+  for key, value in expected.items():
+    np.testing.assert_allclose(metrics[key], value, atol=1e-6, err_msg=key)
+  # The sampler's log-probs only feed the gap metrics, over 6 tokens.
+  assert metrics['gap_count'] == 6
+  assert metrics['gap_sum'] == pytest.approx(6 * 0.25, abs=1e-4)
+  assert metrics['gap_max'] == pytest.approx(0.25, abs=1e-5)
+
+
+def test_bfloat16_first_moment(params):
+  model_trainer = train.Trainer(MODEL, optim_config(mu_dtype='bfloat16'),
+                                train_config(updates_per_epoch=1))
+  state = model_trainer.init_state(params)
+  moments = optax.tree_utils.tree_get_all_with_path(state.opt_state, 'mu')
+  nus = optax.tree_utils.tree_get_all_with_path(state.opt_state, 'nu')
+  assert {x.dtype for _, mu in moments for x in jax.tree.leaves(mu)} == {
+      jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for _, nu in nus for x in jax.tree.leaves(nu)} == {
+      jnp.dtype(jnp.float32)}
+  state, metrics = train.update(model_trainer, state, examples(8), epoch=0)
+  assert metrics['steps'] == 1 and math.isfinite(metrics['loss'])
+  with pytest.raises(ValueError, match='mu_dtype'):
+    train.make_optimizer(optim_config(mu_dtype='float16'))
+
+
+def test_update_runs_its_first_step_without_a_logprob_pass(params):
+  model_trainer = train.Trainer(MODEL, optim_config(**SMOOTH),
+                                train_config(updates_per_epoch=1))
+  state = model_trainer.init_state(params)
+  state, metrics = train.update(model_trainer, state, examples(12, seed=3),
+                                epoch=0)
+  assert metrics['steps'] == 1 and abs(metrics['ratio_max'] - 1) < 1e-5
+  assert model_trainer._logprobs._cache_size() == 0
+  assert model_trainer._step._cache_size() == 0
+  assert model_trainer._step_on_policy._cache_size() == 1
+
+
 @pytest.mark.parametrize('data,fsdp,tensor,remat',
                          [(8, 1, 1, False), (1, 8, 1, True),
                           (1, 4, 2, False)])
@@ -300,6 +349,7 @@ def test_step_gradient_matches_plain_autodiff(trainer, reference, params):
 
 def compiled_programs(model_trainer):
   return (model_trainer._step._cache_size(),
+          model_trainer._step_on_policy._cache_size(),
           model_trainer._logprobs._cache_size())
 
 

@@ -37,6 +37,24 @@ _INSTRUCTIONS = {
     'index': 'give the number of the chosen action in \\boxed{}.',
     'text': 'write the chosen action inside \\boxed{}, exactly as listed.',
 }
+HISTORIES = ('observations', 'actions')
+_POLICY_SYSTEM = ('You are playing a text adventure game. Complete the task in '
+                  'as few actions as possible.')
+_JUDGE_SYSTEM = ('You judge one step of an AI agent playing a text adventure '
+                 'game.')
+# Markers of the policy prompt, which judge_messages reads back.
+_ACTIONS_SO_FAR = 'Your actions so far: '
+_CURRENT = 'Current observation:\n'
+_ASK = 'Choose the action that brings you closest to the task and '
+_JUDGE_ANSWER_CHARS = 600  # an agent's reasoning shown to the RM
+
+
+def _clip(text: str, max_chars: int) -> str:
+  """At most max_chars characters, the middle replaced by ' ... '."""
+  if len(text) <= max_chars:
+    return text
+  half = (max_chars - 5) // 2
+  return f'{text[:half]} ... {text[len(text) - half:]}'
 
 
 class GenerationError(RuntimeError):
@@ -133,7 +151,8 @@ class TextWorldEnv:
                nb_objects: tuple[int, int] = (2, 6),
                quest_length: tuple[int, int] = (1, 3),
                max_knobs: tuple[int, int, int] = (6, 12, 6),
-               max_history: int | None = 4, answer_format: str = 'text',
+               max_history: int | None = 4, history: str = 'observations',
+               answer_format: str = 'text',
                answer_prefix: str = 'The best action is \\boxed{',
                judge_prefix: str = 'Score: \\boxed{',
                rewrite_prefix: str = '',
@@ -149,6 +168,9 @@ class TextWorldEnv:
       max_knobs: upper bounds (rooms, objects, quest_length) for rewrites; the
         lower bound is 1. Keep quests <= 15 and rooms <= 20 on 2 cores.
       max_history: earlier turns shown to the policy (None: all).
+      history: how they are shown: 'observations' (each earlier observation's
+        text and the action taken) or 'actions' (only the actions, one line;
+        a fraction of the tokens).
       answer_format: 'index' (the authors': the action's number in \\boxed{})
         or 'text' (the action's text in \\boxed{}; SmolLM2-135M ranks the
         right action higher this way). The parser accepts both.
@@ -165,6 +187,9 @@ class TextWorldEnv:
     self.ranges = (tuple(nb_rooms), tuple(nb_objects), tuple(quest_length))
     self.max_knobs = tuple(max_knobs)
     self.max_history = max_history
+    if history not in HISTORIES:
+      raise ValueError(f'history={history!r}: one of {HISTORIES}')
+    self.history = history
     if answer_format not in _INSTRUCTIONS:
       raise ValueError(f'answer_format must be one of {list(_INSTRUCTIONS)}')
     self.answer_format = answer_format
@@ -288,13 +313,14 @@ class TextWorldEnv:
   def policy_messages(self, spec: dict[str, Any],
                       turns: Sequence[tuple[str, str]],
                       observation: str) -> list[dict[str, str]]:
-    lines = ['You are playing a text adventure game. Complete the task in '
-             'as few actions as possible.', '',
-             f'Task: {twtext.clean_text(self.game(spec)["objective"])}', '']
+    lines = [f'Task: {twtext.clean_text(self.game(spec)["objective"])}', '']
     shown = list(turns)
     if self.max_history is not None:
       shown = shown[len(shown) - self.max_history:] if self.max_history else []
-    if shown:
+    if shown and self.history == 'actions':
+      lines += [truncation.cuttable(_ACTIONS_SO_FAR + '; '.join(
+          action for _, action in shown)), '']
+    elif shown:
       lines.append('Previous steps:')
       if len(shown) < len(turns):
         lines.append(f'({len(turns) - len(shown)} earlier steps omitted)')
@@ -303,12 +329,12 @@ class TextWorldEnv:
           f'Observation: {twtext.split_observation(old_observation)[0]}\n'
           f'Action: {action}' for old_observation, action in shown)))
       lines.append('')
-    lines.append(f'Current observation:\n{observation}')
+    lines.append(f'{_CURRENT}{observation}')
     lines.append('')
     # No example answer: SmolLM2-135M copies an example's number.
-    lines.append('Think briefly about which action brings you closer to the '
-                 f'task, then {_INSTRUCTIONS[self.answer_format]}')
-    messages = [{'role': 'user', 'content': '\n'.join(lines)}]
+    lines.append(f'{_ASK}{_INSTRUCTIONS[self.answer_format]}')
+    messages = [{'role': 'system', 'content': _POLICY_SYSTEM},
+                {'role': 'user', 'content': '\n'.join(lines)}]
     if self.answer_prefix:
       messages.append({'role': 'assistant', 'content': self.answer_prefix})
     return messages
@@ -331,34 +357,38 @@ class TextWorldEnv:
   def judge_messages(self, spec: dict[str, Any], policy_prompt: str,
                      response: str,
                      next_observation: str) -> list[dict[str, str]]:
-    del spec  # the policy prompt already holds the task
-    prompt = twtext.strip_chat_markup(policy_prompt)
-    if self.answer_prefix and prompt.endswith(self.answer_prefix):
-      prompt = prompt[:-len(self.answer_prefix)].rstrip()
-    prompt = prompt.removesuffix('[assistant]').rstrip()
-    full = self._with_prefix(response, self.answer_prefix)
-    action, ok = twtext.choose(full, twtext.split_observation(prompt)[1])
-    executed = action if ok else (f'{action} (the response chose no listed '
+    """The step as the RM sees it: task, actions so far, the observation
+    (without its action list), the executed action and what followed.
+
+    The agent's answer is shown only when it says more than the action
+    (reasoning to judge); the executed action notes a fallback.
+    """
+    prompt = truncation.plain(twtext.strip_chat_markup(policy_prompt))
+    current = prompt.rpartition(_CURRENT)[2].rpartition(_ASK)[0]
+    text, commands = twtext.split_observation(current.strip())
+    full = self._with_prefix(response, self.answer_prefix).strip()
+    action, ok = twtext.choose(full, commands)
+    executed = action if ok else (f'{action} (the answer named no listed '
                                   'action, so the first one was executed)')
-    content = '\n'.join([
-        'You are judging one step of an AI agent playing a text adventure '
-        'game.', '',
-        "=== The agent's prompt ===", prompt, '',
-        "=== The agent's response ===", full.strip(), '',
-        f'Executed action: {executed}', '',
-        '=== The next observation ===', next_observation, '',
-        'Score the step +1 only if all of these hold:',
-        '(a) the action suits the observation and the task: it explores, '
-        'makes progress or completes the task;',
-        '(b) any reasoning is relevant, does not contradict itself and names '
-        'no object that is not in the game;',
-        '(c) the chosen action is in the list and the next observation is '
-        'consistent with it.',
-        'Otherwise score -1.',
-        'Think first, then give the final score in \\boxed{}: \\boxed{1} or '
-        '\\boxed{-1}.',
-    ])
-    messages = [{'role': 'user', 'content': content}]
+    lines = [f'Task: {twtext.clean_text(self.game(spec)["objective"])}', '']
+    so_far = prompt.rpartition(_ACTIONS_SO_FAR)
+    if so_far[1]:
+      lines += [_ACTIONS_SO_FAR + so_far[2].partition('\n')[0], '']
+    lines += ['Observation:', text.strip(), '']
+    reasoning = full[:full.rfind('\\boxed{')].strip() if (
+        '\\boxed{' in full) else full
+    prefix_head = self.answer_prefix.partition('\\boxed{')[0].strip()
+    if reasoning and reasoning != prefix_head:
+      lines += [f"Agent's answer: {_clip(full, _JUDGE_ANSWER_CHARS)}", '']
+    lines += [f'Executed action: {executed}', '',
+              'Next observation:',
+              twtext.split_observation(next_observation)[0].strip(), '',
+              'Score +1 if the action completes the task, makes progress '
+              'towards it or explores usefully; score -1 if it is useless, '
+              'repeats itself or does not follow from the observation. Give '
+              'the score in \\boxed{}: \\boxed{1} or \\boxed{-1}.']
+    messages = [{'role': 'system', 'content': _JUDGE_SYSTEM},
+                {'role': 'user', 'content': '\n'.join(lines)}]
     if self.judge_prefix:
       messages.append({'role': 'assistant', 'content': self.judge_prefix})
     return messages
@@ -505,7 +535,7 @@ def from_config(env_config, workdir: str) -> TextWorldEnv:
       nb_objects=tuple(env_config.nb_objects),
       quest_length=tuple(env_config.quest_length),
       max_knobs=tuple(env_config.max_knobs),
-      max_history=env_config.max_history,
+      max_history=env_config.max_history, history=env_config.history,
       answer_format=env_config.answer_format,
       answer_prefix=env_config.answer_prefix,
       judge_prefix=env_config.judge_prefix,

@@ -13,14 +13,22 @@ import re
 _ACTIONS_HEADER = 'Admissible actions:'
 _BOXED = re.compile(r'\\boxed\{([^{}]*)(?:\}|$)')
 _NUMBERED = re.compile(r'^(\d+)\. (.+)$')
+# A sentence that mentions TextWorld itself (with the space before it).
+_SELF_MENTION = re.compile(r'[^.!?\n]*\bTextWorld\b[^.!?\n]*[.!?]+')
 _TRIPLE = re.compile(
     r'(?<![\d,])(?<!\d, )(\d+) ?, ?(\d+) ?, ?(\d+)(?! ?, ?\d)(?!\d)')
 
 
 def clean_text(text: str) -> str:
-  """Drops the banner's status line, the input prompt and the restart menu."""
+  """Drops the banner's status line, the input prompt and the restart menu.
+
+  Also drops TextWorld's self-referential filler sentences ("Welcome to
+  TextWorld!", "Wow, isn't TextWorld just the best?"): they name no object
+  or exit and cost every prompt tokens.
+  """
   text = text.split('Would you like to RESTART')[0]
-  lines = [l.strip() for l in text.split('\n') if not l.startswith('>')]
+  lines = [_SELF_MENTION.sub('', l).strip() for l in text.split('\n')
+           if not l.startswith('>')]
   text = '\n'.join(lines)
   return re.sub(r'\n{3,}', '\n\n', text).strip()
 
