@@ -34,8 +34,8 @@ class LossConfig:
   # The step's parameters are pi_old (the first optimizer step of an epoch,
   # KL against pi_old): pi_old and the KL reference are the step's own
   # log-probs (stop_gradient), so no separate log-prob pass is needed. The
-  # `old_logp` input then holds the sampler's log-probs (NaN where there are
-  # none) and only feeds the `gap_*` metrics.
+  # `old_logp` input then holds the sampler's log-probs (NO_LOGPROB where
+  # there are none) and only feeds the `gap_*` metrics.
   on_policy: bool = False
 
   def __post_init__(self):
@@ -216,12 +216,15 @@ def token_logprobs(hidden_BxTxD, w_VxD, targets_BxT, *, chunk: int = 0,
 
 # Metrics reduced by max (over chunks, micro-batches and steps), not summed.
 MAX_METRICS = ('ratio_max', 'gap_max')
+# "No sampler log-prob for this token" (a log-prob is never positive; NaN
+# would do, but multi-process device_put compares host arrays by value).
+NO_LOGPROB = 1.0
 
 
 def _gap_metrics(logp_BxC, sampler_BxC, mask_BxC):
   """|sampler - trainer| log-prob over the tokens that have a sampler value."""
-  has_BxC = mask_BxC & ~jnp.isnan(sampler_BxC)
-  gap_BxC = jnp.where(has_BxC, jnp.abs(jnp.nan_to_num(sampler_BxC) -
+  has_BxC = mask_BxC & (sampler_BxC <= 0)
+  gap_BxC = jnp.where(has_BxC, jnp.abs(sampler_BxC -
                                        jax.lax.stop_gradient(logp_BxC)), 0.0)
   return dict(gap_sum=jnp.sum(gap_BxC), gap_count=jnp.sum(has_BxC).astype(
       jnp.float32), gap_max=jnp.max(gap_BxC))

@@ -419,7 +419,7 @@ class Trainer:
 
     on_policy: `state.params` are pi_old and the KL reference (see
     losses.LossConfig.on_policy); the batch's old_logp holds the sampler's
-    log-probs, NaN where there are none.
+    log-probs, losses.NO_LOGPROB where there are none.
     """
     step = self._step_on_policy if on_policy else self._step
     with sharding.use(self.mesh, self.rules):
@@ -477,8 +477,9 @@ def logprob_gaps(old_NxR: np.ndarray,
 
 def sampler_logprobs(examples: Sequence[structs.Example], shape) -> np.ndarray:
   """The examples' sampler log-probs laid out as `batching.pack` lays out
-  their responses (shape [M, B, R]); NaN where there is none."""
-  out = np.full((int(np.prod(shape[:-1])), shape[-1]), np.nan, np.float32)
+  their responses (shape [M, B, R]); losses.NO_LOGPROB where there is none."""
+  out = np.full((int(np.prod(shape[:-1])), shape[-1]), losses.NO_LOGPROB,
+                np.float32)
   for row, example in enumerate(examples):
     n = min(len(example.logprobs), len(example.response_tokens), shape[-1])
     out[row, :n] = example.logprobs[:n]

@@ -319,12 +319,12 @@ import jax.numpy as jnp
 from rla_jax import train
 real, mode, poisoned = train.Trainer.step, sys.argv.pop(1), []
 
-def step(self, state, batch):
+def step(self, state, batch, **kwargs):
   if self.kind == train.POLICY and (mode == 'all' or not poisoned):
     poisoned.append(1)
     batch = batch.replace(
-        old_logp_MxBxR=jnp.full_like(batch.old_logp_MxBxR, jnp.nan))
-  return real(self, state, batch)
+        advantages_MxB=jnp.full_like(batch.advantages_MxB, jnp.nan))
+  return real(self, state, batch, **kwargs)
 
 train.Trainer.step = step
 sys.argv = ['main', *sys.argv[1:]]

@@ -207,7 +207,8 @@ def test_on_policy_step_needs_no_logprob_pass(trainer, reference, params):
   """The first step of an epoch takes pi_old from its own forward pass: the
   same parameters and metrics as the step given a separate pi_old pass."""
   batch, (expected_params, expected) = reference
-  sampler = np.full(batch.old_logp_MxBxR.shape, np.nan, np.float32)
+  sampler = np.full(batch.old_logp_MxBxR.shape, losses.NO_LOGPROB,
+                    np.float32)
   sampler[0, :2, :3] = np.asarray(batch.old_logp_MxBxR)[0, :2, :3] - 0.25
   on_policy = batch.replace(old_logp_MxBxR=sampler,
                             ref_logp_MxBxR=np.zeros_like(sampler))
