@@ -69,7 +69,7 @@ def sampling_section(**overrides) -> ml_collections.ConfigDict:
 
 
 def optim_section(**overrides) -> ml_collections.ConfigDict:
-  """rla_jax.train.make_optimizer: AdamW + schedule + clipping."""
+  """rla_jax.optim.make_optimizer: AdamW + schedule + clipping."""
   section = dict(
       learning_rate=1e-6,
       schedule='constant',  # 'constant' | 'cosine' | 'linear' (B2: ours is real)

@@ -120,12 +120,21 @@ class _Timer:
       print(f'epoch {self.epoch}: {stage}', flush=True)
     start = time.perf_counter()
     yield
-    seconds = self.values[f'time/{stage}_s'] = time.perf_counter() - start
-    metrics.release_free_memory()
-    rss = self.values['memory/peak_rss_gb'] = metrics.peak_rss_gb()
-    if self.chief and seconds >= 1:
-      print(f'epoch {self.epoch}: {stage} done in {seconds:.0f} s (peak RSS '
-            f'{rss:.1f} GB)', flush=True)
+    self.values[f'time/{stage}_s'] = time.perf_counter() - start
+    _stage_done(self.values, self.epoch, stage, self.chief)
+
+
+def _stage_done(values: dict[str, float], epoch: int, stage: str,
+                chief: bool, label: str = ''):
+  """After timed stage `stage` (`time/<stage>_s`): free heap pages go back to
+  the OS, the peak RSS is recorded, and (process 0) a line with the stage's
+  time and that peak, named `label` (default: the stage)."""
+  metrics.release_free_memory()
+  rss = values['memory/peak_rss_gb'] = metrics.peak_rss_gb()
+  seconds = values[f'time/{stage}_s']
+  if chief and seconds >= 1:
+    print(f'epoch {epoch}: {label or stage} done in {seconds:.0f} s (peak '
+          f'RSS {rss:.1f} GB)', flush=True)
 
 
 def _win_rate(ok_trajs) -> float:
@@ -325,11 +334,7 @@ def _evaluate(run: runtime.Run, epoch: int) -> dict[str, float]:
                      feedback.rm_metrics(trajs, judgments,
                                          config.feedback.mode).items()})
   values['time/eval_s'] = time.perf_counter() - start
-  metrics.release_free_memory()
-  values['memory/peak_rss_gb'] = metrics.peak_rss_gb()
-  if run.chief:
-    print(f'epoch {epoch}: evaluation done in {values["time/eval_s"]:.0f} s '
-          f'(peak RSS {values["memory/peak_rss_gb"]:.1f} GB)', flush=True)
+  _stage_done(values, epoch, 'eval', run.chief, 'evaluation')
   return values
 
 

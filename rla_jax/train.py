@@ -27,6 +27,7 @@ from flax import nnx
 from rla_jax import batching
 from rla_jax import losses
 from rla_jax import metrics as metrics_lib
+from rla_jax import optim
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax.models import transformer
@@ -61,62 +62,6 @@ class NonFiniteLossError(FloatingPointError):
   def __init__(self, message: str, state: TrainState):
     super().__init__(message)
     self.state = state
-
-
-# ---- optimizer -------------------------------------------------------------
-
-
-def make_schedule(optim_config) -> optax.Schedule:
-  """'constant' | 'cosine' | 'linear' decay after a linear warmup."""
-  lr, warmup = optim_config.learning_rate, optim_config.warmup_steps
-  kind, decay_steps = optim_config.schedule, optim_config.decay_steps
-  if kind not in ('constant', 'cosine', 'linear'):
-    raise ValueError(f'optim.schedule={kind!r}; expected constant, cosine or '
-                     'linear')
-  if kind != 'constant' and decay_steps <= 0:
-    raise ValueError(f'optim.schedule={kind!r} needs optim.decay_steps > 0')
-  if kind == 'constant':
-    decay = optax.constant_schedule(lr)
-  elif kind == 'cosine':
-    decay = optax.cosine_decay_schedule(lr, decay_steps,
-                                        alpha=optim_config.min_lr_ratio)
-  else:
-    decay = optax.linear_schedule(lr, lr * optim_config.min_lr_ratio,
-                                  decay_steps)
-  if warmup <= 0:
-    return decay
-  return optax.join_schedules(
-      [optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
-
-
-def make_optimizer(optim_config) -> optax.GradientTransformation:
-  """Global-norm clipping (on the accumulated gradient), then AdamW.
-
-  `optim.mu_dtype` 'bfloat16' keeps Adam's first moment in bfloat16 (a
-  quarter of the optimizer memory saved; the second moment stays float32).
-
-  The AdamW hyper-parameters (and a constant learning rate) live in the
-  optimizer state rather than in the compiled program.
-  """
-  schedule = make_schedule(optim_config)
-  if optim_config.schedule == 'constant' and optim_config.warmup_steps <= 0:
-    schedule = float(optim_config.learning_rate)
-  if optim_config.mu_dtype not in ('float32', 'bfloat16'):
-    raise ValueError(f'optim.mu_dtype={optim_config.mu_dtype!r}: float32 or '
-                     'bfloat16')
-  adamw = optax.inject_hyperparams(optax.adamw, static_args=('mu_dtype',))(
-      learning_rate=schedule, b1=optim_config.b1, b2=optim_config.b2,
-      eps=optim_config.eps, weight_decay=optim_config.weight_decay,
-      mu_dtype=jnp.dtype(optim_config.mu_dtype))
-  if optim_config.max_grad_norm <= 0:
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(optim_config.max_grad_norm),
-                     adamw)
-
-
-def current_lr(opt_state) -> jax.Array:
-  """The learning rate of the last update."""
-  return optax.tree_utils.tree_get(opt_state, 'hyperparams')['learning_rate']
 
 
 def loss_config(train_config) -> losses.LossConfig:
@@ -265,7 +210,7 @@ def policy_step(state: TrainState, batch: batching.Batch, *, graphdef,
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   new_state = jax.lax.cond(finite, apply, lambda: state)
   metrics.update(loss=loss, grad_norm=grad_norm,
-                 lr=current_lr(new_state.opt_state))
+                 lr=optim.current_lr(new_state.opt_state))
   return new_state, metrics
 
 
@@ -321,7 +266,7 @@ class Trainer:
                                  remat=remat_policy(train_config.remat))
     self.graphdef, abstract = nnx.split(transformer.abstract_model(config))
     self.vision_config = config.vision
-    self.tx = make_optimizer(optim_config)
+    self.tx = optim.make_optimizer(optim_config)
     self.loss_cfg = loss_config(train_config)
     step_fn = functools.partial(
         policy_step if kind == POLICY else reward_step,
@@ -458,6 +403,18 @@ def _steps(train_config, kept: Sequence[structs.Example], epoch: int):
   return list(ds.batch(per_step, batch_fn=list))
 
 
+def sampler_logprobs(examples: Sequence[structs.Example], shape) -> np.ndarray:
+  """The examples' sampler log-probs laid out as `batching.pack` lays out
+  their responses (shape [M, B, R] or [N, R]); losses.NO_LOGPROB where there
+  is none."""
+  out = np.full((int(np.prod(shape[:-1])), shape[-1]), losses.NO_LOGPROB,
+                np.float32)
+  for row, example in enumerate(examples):
+    n = min(len(example.logprobs), len(example.response_tokens), shape[-1])
+    out[row, :n] = example.logprobs[:n]
+  return out.reshape(shape)
+
+
 def logprob_gaps(old_NxR: np.ndarray,
                  examples: Sequence[structs.Example]) -> np.ndarray:
   """|sampler log-prob - trainer pi_old| of every response token that has one.
@@ -466,24 +423,9 @@ def logprob_gaps(old_NxR: np.ndarray,
   them out). A sampler/trainer mismatch (different numerics, a cut context,
   a wrong template) shows up here before it biases the importance ratios.
   """
-  gaps = []
-  for row, example in enumerate(examples):
-    n = min(len(example.logprobs), len(example.response_tokens))
-    if n:
-      gaps.append(np.abs(old_NxR[row, :n] -
-                         np.asarray(example.logprobs[:n], np.float32)))
-  return np.concatenate(gaps) if gaps else np.zeros((0,), np.float32)
-
-
-def sampler_logprobs(examples: Sequence[structs.Example], shape) -> np.ndarray:
-  """The examples' sampler log-probs laid out as `batching.pack` lays out
-  their responses (shape [M, B, R]); losses.NO_LOGPROB where there is none."""
-  out = np.full((int(np.prod(shape[:-1])), shape[-1]), losses.NO_LOGPROB,
-                np.float32)
-  for row, example in enumerate(examples):
-    n = min(len(example.logprobs), len(example.response_tokens), shape[-1])
-    out[row, :n] = example.logprobs[:n]
-  return out.reshape(shape)
+  sampler_NxR = sampler_logprobs(examples, old_NxR.shape)
+  has_NxR = sampler_NxR != losses.NO_LOGPROB
+  return np.abs(old_NxR - sampler_NxR)[has_NxR].astype(np.float32)
 
 
 def _batches(trainer: Trainer, state: TrainState, groups, ref_params):

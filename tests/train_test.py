@@ -16,6 +16,7 @@ from flax import nnx
 
 from rla_jax import batching
 from rla_jax import losses
+from rla_jax import optim
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
@@ -146,21 +147,21 @@ def test_steps_group_examples_with_a_seeded_grain_shuffle():
 
 
 def test_schedules():
-  cosine = train.make_schedule(optim_config(learning_rate=1.0,
+  cosine = optim.make_schedule(optim_config(learning_rate=1.0,
                                             schedule='cosine', decay_steps=4))
   # The authors' effective schedule: a half cosine to 0 over one epoch.
   np.testing.assert_allclose([cosine(i) for i in range(4)],
                              [1.0, 0.8536, 0.5, 0.1464], atol=1e-4)
-  linear = train.make_schedule(optim_config(
+  linear = optim.make_schedule(optim_config(
       learning_rate=1.0, schedule='linear', decay_steps=4, min_lr_ratio=0.5,
       warmup_steps=2))
   np.testing.assert_allclose([linear(i) for i in range(7)],
                              [0, 0.5, 1.0, 0.875, 0.75, 0.625, 0.5], atol=1e-6)
-  assert train.make_schedule(optim_config())(100) == pytest.approx(1e-2)
+  assert optim.make_schedule(optim_config())(100) == pytest.approx(1e-2)
   with pytest.raises(ValueError, match='schedule'):
-    train.make_schedule(optim_config(schedule='step'))
+    optim.make_schedule(optim_config(schedule='step'))
   with pytest.raises(ValueError, match='decay_steps'):
-    train.make_optimizer(optim_config(schedule='cosine'))
+    optim.make_optimizer(optim_config(schedule='cosine'))
 
 
 # ---- train steps -----------------------------------------------------------
@@ -237,7 +238,7 @@ def test_bfloat16_first_moment(params):
   state, metrics = train.update(model_trainer, state, examples(8), epoch=0)
   assert metrics['steps'] == 1 and math.isfinite(metrics['loss'])
   with pytest.raises(ValueError, match='mu_dtype'):
-    train.make_optimizer(optim_config(mu_dtype='float16'))
+    optim.make_optimizer(optim_config(mu_dtype='float16'))
 
 
 def test_update_runs_its_first_step_without_a_logprob_pass(params):
