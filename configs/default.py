@@ -10,6 +10,10 @@ tasks are small TextWorld games generated on the fly (cached in
 first and after the last epoch. About 14.5 minutes and 5.5 GB of RAM at
 peak on a 2-core CPU with a cold compilation cache.
 
+`configs/default.py:long` (45 minutes, 6.3 GB) trains 12 epochs on
+one-action episodes and shows the policy learning: greedy accuracy on 32
+held-out games went from 0.16 to 0.72 (README, "Learning you can see").
+
 Compact prompts: the policy sees the task, its earlier actions (one line),
 the current observation and the admissible actions (~200 tokens); the RM
 sees the task, the actions, the observation before and after and the
@@ -18,9 +22,13 @@ executed action (~210 tokens).
 
 from configs import base
 
+OPTIONS = ('long',)
+
 
 def get_config(arg: str = 'full'):
   from rla_jax.models import gguf  # pylint: disable=g-import-not-at-top
+  options = [a for a in (arg or 'full').split(',') if a]
+  rows = [a for a in options if a not in OPTIONS] or ['full']
   config = base.get_config()
   config.env = dict(
       name='textworld',  # rla_jax/envs/textworld.py
@@ -84,4 +92,34 @@ def get_config(arg: str = 'full'):
   config.eval.sampling.update(temperature=0.0, max_new_tokens=12,
                               stop_strings=('}',), **buckets)
   config.loop.update(num_epochs=2, keep_checkpoints=2, env_threads=4)
-  return base.apply_ablation(config, arg)
+  if 'long' in options:
+    _long(config)
+  for row in rows:
+    base.apply_ablation(config, row)
+  return config
+
+
+def _long(config):
+  """About an hour on a 2-core CPU: long enough to see the policy learn.
+
+  One action per episode (the quests are one action long): the outcome then
+  credits exactly the action that won, where with four turns a wrong first
+  action shared the win of a later right one. The curator makes games harder
+  with more rooms and distracting objects (quest_length stays 1). Four tasks
+  of eight rollouts an epoch, two policy steps at five times the short run's
+  learning rate after a 3-step warmup (Adam's first steps at full rate
+  moved a 135M policy too far: KL 1.1 and rising entropy at 2e-5);
+  evaluated greedily on 32 held-out games every 2 epochs.
+
+  Measured (2-core CPU, cold cache): 45 min 15 s, peak RSS 6.3 GB;
+  evaluation accuracy 0.16, 0.16, 0.44, 0.56, 0.59, 0.66, 0.72 at epochs
+  0, 2, ..., 12.
+  """
+  config.env.update(num_train=32, num_eval=32, max_turns=1,
+                    max_knobs=(6, 12, 1))
+  config.rollout.update(num_tasks=4, group_size=8)
+  config.optim.policy.update(learning_rate=1e-5, warmup_steps=3)
+  config.optim.reward_model.update(learning_rate=5e-6, warmup_steps=3)
+  config.train.policy.updates_per_epoch = 2
+  config.eval.update(every=2, num_tasks=32, max_turns=1)
+  config.loop.update(num_epochs=12)

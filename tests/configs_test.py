@@ -21,7 +21,8 @@ needs_smollm2 = pytest.mark.skipif(
 _ROWS = base.ABLATIONS
 CASES = (
     [('tiny', row) for row in _ROWS]
-    + [pytest.param('default', row, marks=needs_smollm2) for row in _ROWS]
+    + [pytest.param('default', arg, marks=needs_smollm2)
+       for arg in _ROWS + ('long', 'long,policy')]
     + [('coding', arg) for arg in _ROWS + ('smoke', 'smoke,policy')]
     + [('alfworld', arg) for arg in _ROWS + ('smoke', 'smoke,outcome_only')]
     + [pytest.param('alfworld', arg, marks=needs_smollm2)
