@@ -100,7 +100,7 @@ def get_config(arg: str = 'full'):
 
 
 def _long(config):
-  """About an hour on a 2-core CPU: long enough to see the policy learn.
+  """About 45 minutes on a 2-core CPU: long enough to see the policy learn.
 
   One action per episode (the quests are one action long): the outcome then
   credits exactly the action that won, where with four turns a wrong first
