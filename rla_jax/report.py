@@ -181,7 +181,8 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> str:
               [max(0.0, hi - y) if math.isfinite(hi) else 0.0
                for y, (_, hi) in zip(ys, intervals)]]
     acc_ax.errorbar(xs, ys, yerr=errors, fmt='s--', capsize=3,
-                    label=f'eval {split} (95% CI)')
+                    label=('evaluation' if split == 'eval' else
+                           f'evaluation: {split}') + ' (95% CI)')
   acc_ax.set(title='accuracy', xlabel='epoch', ylim=(-0.02, 1.02))
   acc_ax.legend(fontsize=8)
   epochs = [r['step'] for r in rows if 'time/epoch_s' in r]
