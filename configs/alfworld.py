@@ -82,8 +82,7 @@ def env_section() -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str = 'full'):
-  options = [a for a in (arg or 'full').split(',') if a]
-  rows = [a for a in options if a not in OPTIONS] or ['full']
+  options, rows = base.split_options(arg, OPTIONS)
   config = base.get_config()
   config.env = env_section()
   for name in ('policy', 'reward_model', 'env_model'):

@@ -221,6 +221,17 @@ def get_config() -> ml_collections.ConfigDict:
   return config
 
 
+def split_options(arg: str, options: tuple[str, ...]
+                  ) -> tuple[list[str], list[str]]:
+  """`arg` after the colon -> (every option given, its Table-1 rows).
+
+  `options` are the config's own switches (e.g. 'smoke'); the rest are rows
+  for apply_ablation, 'full' when none is given.
+  """
+  given = [a for a in (arg or 'full').split(',') if a]
+  return given, [a for a in given if a not in options] or ['full']
+
+
 def apply_ablation(config: ml_collections.ConfigDict, row: str):
   """Switches for the paper's Table 1 rows (and outcome-only GRPO)."""
   if row not in ABLATIONS:

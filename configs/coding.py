@@ -90,9 +90,8 @@ def env_section() -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str = 'full'):
-  options = [a for a in (arg or 'full').split(',') if a]
+  options, rows = base.split_options(arg, ('smoke',))
   smoke = 'smoke' in options
-  rows = [a for a in options if a != 'smoke'] or ['full']
   config = base.get_config()
   config.env = env_section()
   for name in ('policy', 'reward_model', 'env_model'):

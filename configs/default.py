@@ -27,8 +27,7 @@ OPTIONS = ('long',)
 
 def get_config(arg: str = 'full'):
   from rla_jax.models import gguf  # pylint: disable=g-import-not-at-top
-  options = [a for a in (arg or 'full').split(',') if a]
-  rows = [a for a in options if a not in OPTIONS] or ['full']
+  options, rows = base.split_options(arg, OPTIONS)
   config = base.get_config()
   config.env = dict(
       name='textworld',  # rla_jax/envs/textworld.py

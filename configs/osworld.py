@@ -91,8 +91,7 @@ def env_section() -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str = 'full'):
-  options = [a for a in (arg or 'full').split(',') if a]
-  rows = [a for a in options if a not in OPTIONS] or ['full']
+  options, rows = base.split_options(arg, OPTIONS)
   config = base.get_config()
   config.env = env_section()
   for name, path in (('policy', POLICY), ('reward_model', REWARD_MODEL),
