@@ -195,7 +195,8 @@ class Planner:
         response_buckets=(response,), clip_eps=0.2, kl_coef=0.01,
         entropy_coef=0.0, log_ratio_clamp=10.0, aggregation='sequence',
         compute_entropy=True, head_chunk=self.args.head_chunk,
-        remat=self.args.remat, shuffle=False, seed=0))
+        remat=self.args.remat, shuffle=False, seed=0,
+        grad_accum_dtype='float32'))
     abstract = transformer.abstract_model(self.model_config(model))
     graphdef, state = nnx.split(abstract)
     trainer = train.Trainer(graphdef, optim, train_config, mesh, self.rules)

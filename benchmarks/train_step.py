@@ -73,7 +73,8 @@ def configs(args):
       response_buckets=(args.response,), clip_eps=CLIP_EPS,
       kl_coef=KL_COEF, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=args.entropy,
-      head_chunk=args.head_chunk, remat=args.remat, shuffle=False, seed=0))
+      head_chunk=args.head_chunk, remat=args.remat, shuffle=False, seed=0,
+      grad_accum_dtype='float32'))
   return optim, train_config
 
 

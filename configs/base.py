@@ -115,6 +115,10 @@ def train_section(**overrides) -> ml_collections.ConfigDict:
       compute_entropy=True,  # report the policy entropy (~4% of a step)
       aggregation='sequence',  # 'sequence' (paper) | 'token'
       head_chunk=512,  # tokens per chunk of the output head (memory)
+      grad_accum_dtype='float32',  # the running gradient sum over micro-
+                                   # batches: 'float32' | 'bfloat16' (half
+                                   # that buffer; each micro-batch's gradient
+                                   # is still float32)
       remat='none',  # what the backward pass recomputes of each layer:
                      # 'none' | 'full' (keep only layer inputs) |
                      # 'dots_saveable' | 'dots_with_no_batch_dims_saveable'

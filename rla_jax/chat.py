@@ -224,6 +224,36 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
       encoded.append(truncation.encode(tokenizer, text,
                                        sampling.max_prompt_len))
       held.append(None)
+  copies = _runs_of_equal(encoded) if not any(held) else 1
+  if copies > 1:  # e.g. a rollout's first turn: G rows of each task
+    rows = _complete_encoded(model, tokenizer, encoded[::copies],
+                           held[::copies], sampling, num_samples * copies,
+                           seed, mesh, rules)
+    return [row[j * num_samples:(j + 1) * num_samples]
+            for row in rows for j in range(copies)]
+  return _complete_encoded(model, tokenizer, encoded, held, sampling,
+                         num_samples, seed, mesh, rules)
+
+
+def _runs_of_equal(encoded) -> int:
+  """k > 1 when the prompts come in consecutive runs of k identical ones.
+
+  Those are sampled as k samples of one prompt, sharing its prefill.
+  """
+  ids = [tuple(i) for i, _, _ in encoded]
+  k = 1
+  while k < len(ids) and ids[k] == ids[0]:
+    k += 1
+  if k == 1 or len(ids) % k:
+    return 1
+  same = all(ids[i] == ids[i - i % k] for i in range(len(ids)))
+  return k if same else 1
+
+
+def _complete_encoded(model, tokenizer, encoded, held, sampling,
+                    num_samples: int, seed: int, mesh,
+                    rules) -> list[list[Completion]]:
+  """`complete` for encoded prompts: (ids, cut, text) and their images."""
   prompt_ids = [ids for ids, _, _ in encoded]
   prompts = [text for _, _, text in encoded]
   per_call = max(1, sampling.max_rows // num_samples)

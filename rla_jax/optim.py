@@ -55,8 +55,26 @@ def make_optimizer(optim_config) -> optax.GradientTransformation:
       mu_dtype=jnp.dtype(optim_config.mu_dtype))
   if optim_config.max_grad_norm <= 0:
     return adamw
-  return optax.chain(optax.clip_by_global_norm(optim_config.max_grad_norm),
-                     adamw)
+  return optax.chain(clip_by_global_norm(optim_config.max_grad_norm), adamw)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """Scales the gradient by min(1, max_norm / ||g||), as optax's transform.
+
+  One multiply by a scalar, which XLA fuses into AdamW's moment updates;
+  optax.clip_by_global_norm's per-leaf select materialises a clipped copy of
+  the gradient (measured: 540 MB more temporary memory in a SmolLM2-135M
+  step).
+  """
+
+  def update(grads, state, params=None):
+    del params
+    norm = optax.tree.norm(grads)
+    scale = jnp.minimum(1.0, max_norm / norm)
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads), state
+
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(), update)
 
 
 def current_lr(opt_state) -> jax.Array:

@@ -162,7 +162,9 @@ def setup(config, workdir: str) -> Run:
       # reference must not share buffers with them. On resume the weights are
       # loaded from the same path again, so the reference is unchanged.
       ref_params[name] = jax.tree.map(lambda x: x.copy(), params[name])
-    states[name] = trainers[name].init_state(params[name])
+    # The state holds its own copy; dropping the loaded one here keeps one
+    # copy of each model's weights in memory at a time during set-up.
+    states[name] = trainers[name].init_state(params.pop(name))
   pool = curator.build_pool(env.tasks('train'))
   order = iter(grain.MapDataset.range(len(pool)).shuffle(seed=config.seed)
                .repeat().to_iter_dataset())

@@ -145,8 +145,13 @@ def _global_weights(batch: batching.Batch, aggregation: str):
 
 
 def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
-                grad_shardings):
-  """Sums of loss, metrics and float32 gradients over the micro-batches."""
+                grad_shardings, accum_dtype=jnp.float32):
+  """Sums of loss, metrics and gradients over the micro-batches.
+
+  With more than one micro-batch the running sum is held in `accum_dtype`
+  (bfloat16 halves that buffer, one model's worth of float32; each
+  micro-batch's gradient is still computed in float32). The result is float32.
+  """
   weights_MxBxR, num_tokens, num_sequences = _global_weights(
       batch, loss_cfg.aggregation)
   r = batch.response_len
@@ -166,22 +171,24 @@ def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
   constrain = lambda g: g if grad_shardings is None else (
       jax.lax.with_sharding_constraint(g, grad_shardings))
 
+  single = batch.tokens_MxBxT.shape[0] == 1
+  dtype = jnp.float32 if single else accum_dtype
+
   def micro(acc, xs):
     out, grads = jax.value_and_grad(loss_fn, has_aux=True)(params, xs)
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     if acc is not None:
-      grads = jax.tree.map(jnp.add, acc, grads)
-    return constrain(grads), out
+      grads = jax.tree.map(lambda a, g: (a.astype(jnp.float32) + g), acc,
+                           grads)
+    return constrain(jax.tree.map(lambda g: g.astype(dtype), grads)), out
 
   xs = (batch.tokens_MxBxT, batch.mask_MxBxT, weights_MxBxR,
         batch.old_logp_MxBxR, batch.ref_logp_MxBxR, batch.advantages_MxB,
         batch.positions_MxBxTx3, batch.patches)
   active_M = jnp.any(batch.response_mask_MxBxR, axis=(1, 2))
-  init = None
-  if active_M.shape[0] > 1:
-    init = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                                  params))
+  init = None if single else constrain(
+      jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params))
   grads, (loss_M, metrics_M) = _over_micro_batches(micro, init, xs, active_M)
+  grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
   metrics = {k: jnp.max(v) if k in losses.MAX_METRICS else jnp.sum(v)
              for k, v in metrics_M.items()}
   metrics.update(tokens=num_tokens, sequences=num_sequences)
@@ -191,14 +198,15 @@ def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
 def policy_step(state: TrainState, batch: batching.Batch, *, graphdef,
                 tx: optax.GradientTransformation,
                 loss_cfg: losses.LossConfig, head_chunk: int,
-                grad_shardings=None) -> tuple[TrainState, dict[str, Any]]:
+                grad_shardings=None,
+                accum_dtype=jnp.float32) -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step on the summed gradient of all micro-batches.
 
   A step whose loss or gradient is not finite leaves the state unchanged
   (the host counts and logs it, see `update`).
   """
   grads, loss, metrics = _accumulate(state.params, batch, graphdef, loss_cfg,
-                                     head_chunk, grad_shardings)
+                                     head_chunk, grad_shardings, accum_dtype)
   grad_norm = optax.tree.norm(grads)
 
   def apply():
@@ -270,7 +278,8 @@ class Trainer:
     self.loss_cfg = loss_config(train_config)
     step_fn = functools.partial(
         policy_step if kind == POLICY else reward_step,
-        graphdef=self.graphdef, tx=self.tx, head_chunk=train_config.head_chunk)
+        graphdef=self.graphdef, tx=self.tx, head_chunk=train_config.head_chunk,
+        accum_dtype=jnp.dtype(train_config.grad_accum_dtype))
     fns = dict(
         step=functools.partial(step_fn, loss_cfg=self.loss_cfg),
         step_on_policy=functools.partial(step_fn, loss_cfg=dataclasses.replace(
@@ -323,6 +332,9 @@ class Trainer:
     if c.updates_per_epoch < 1 and c.global_batch_size < 1:
       raise ValueError('train.updates_per_epoch or train.global_batch_size '
                        'must be positive')
+    if c.grad_accum_dtype not in ('float32', 'bfloat16'):
+      raise ValueError(f'train.grad_accum_dtype={c.grad_accum_dtype!r}: '
+                       'float32 or bfloat16')
     if c.micro_batch_size < 1:
       raise ValueError(f'train.micro_batch_size={c.micro_batch_size}')
     if c.overlong_prompt not in (batching.DROP, batching.TRUNCATE):

@@ -50,7 +50,7 @@ def train_config(**overrides):
       kl_coef=0.01, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=True, head_chunk=64,
       remat=False, shuffle=False, seed=0, logprob_gap_warn=0.05,
-      max_nonfinite_steps=8)
+      max_nonfinite_steps=8, grad_accum_dtype='float32')
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 
@@ -296,6 +296,34 @@ def test_gradient_accumulation_equals_one_big_batch(reference, params):
   assert_trees_close((state.params, metrics), expected, atol=1e-5)
 
 
+def test_bfloat16_gradient_sum_is_close_to_float32(reference, params):
+  batch, expected = reference  # 2 micro-batches: the sum is held in bf16
+  bf16_sum = train.Trainer(MODEL, optim_config(**SMOOTH),
+                           train_config(grad_accum_dtype='bfloat16'))
+  state, metrics = bf16_sum.step(bf16_sum.init_state(params), batch)
+  assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
+  # Adam with eps=1: each parameter moves by ~g / (|g| + 1), so a bf16
+  # rounding of the summed gradient (relative 2^-8) moves it by < 1e-2 * lr.
+  assert_trees_close(state.params, expected[0], atol=1e-2)
+  assert metrics['loss'] == pytest.approx(expected[1]['loss'], rel=1e-6)
+  assert metrics['grad_norm'] == pytest.approx(expected[1]['grad_norm'],
+                                               rel=1e-2)
+  assert metrics['grad_norm'] != expected[1]['grad_norm']  # bf16 was used
+
+
+def test_clip_by_global_norm_matches_optax():
+  grads = {'a': jnp.arange(6.0).reshape(2, 3), 'b': -jnp.ones(4)}
+  for max_norm in (0.5, 100.0):
+    ours, _ = optim.clip_by_global_norm(max_norm).update(grads, None)
+    theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, None)
+    assert_trees_close(ours, theirs, atol=1e-6)
+  zeros = jax.tree.map(jnp.zeros_like, grads)
+  out, _ = optim.clip_by_global_norm(1.0).update(zeros, None)
+  assert_trees_close(out, zeros, atol=0)
+  assert optax.tree.norm(optim.clip_by_global_norm(0.5).update(
+      grads, None)[0]) == pytest.approx(0.5)
+
+
 def test_bfloat16_compute_keeps_float32_master_weights(reference, params):
   batch, expected = reference
   bf16_model = nnx.split(transformer.abstract_model(dataclasses.replace(
@@ -467,6 +495,9 @@ def test_bad_settings_are_rejected():
     train.Trainer(MODEL, optim_config(), train_config(overlong_prompt='cut'))
   with pytest.raises(ValueError, match='kind'):
     train.Trainer(MODEL, optim_config(), train_config(), kind='critic')
+  with pytest.raises(ValueError, match='grad_accum_dtype'):
+    train.Trainer(MODEL, optim_config(),
+                  train_config(grad_accum_dtype='float16'))
 
 
 def test_logprob_gap_between_sampler_and_trainer(trainer, params, caplog):
