@@ -227,12 +227,12 @@ def complete(model, tokenizer, messages_batch: Sequence[Sequence[dict]], *,
   copies = _runs_of_equal(encoded) if not any(held) else 1
   if copies > 1:  # e.g. a rollout's first turn: G rows of each task
     rows = _complete_encoded(model, tokenizer, encoded[::copies],
-                           held[::copies], sampling, num_samples * copies,
-                           seed, mesh, rules)
+                             held[::copies], sampling, num_samples * copies,
+                             seed, mesh, rules)
     return [row[j * num_samples:(j + 1) * num_samples]
             for row in rows for j in range(copies)]
   return _complete_encoded(model, tokenizer, encoded, held, sampling,
-                         num_samples, seed, mesh, rules)
+                           num_samples, seed, mesh, rules)
 
 
 def _runs_of_equal(encoded) -> int:
@@ -251,8 +251,8 @@ def _runs_of_equal(encoded) -> int:
 
 
 def _complete_encoded(model, tokenizer, encoded, held, sampling,
-                    num_samples: int, seed: int, mesh,
-                    rules) -> list[list[Completion]]:
+                      num_samples: int, seed: int, mesh,
+                      rules) -> list[list[Completion]]:
   """`complete` for encoded prompts: (ids, cut, text) and their images."""
   prompt_ids = [ids for ids, _, _ in encoded]
   prompts = [text for _, _, text in encoded]
