@@ -153,7 +153,7 @@ def train_check(name, args, peak_tflops):
       response_buckets=(response,), clip_eps=0.2, kl_coef=0.01,
       entropy_coef=0.0, log_ratio_clamp=10.0, aggregation='sequence',
       compute_entropy=False, head_chunk=args.head_chunk, remat=args.remat,
-      shuffle=False, seed=0, grad_accum_dtype='float32'))
+      shuffle=False, seed=0, grad_accum_dtype='float32', share_prompts=1))
   trainer = train.Trainer(graphdef, optim, train_config)
   train_state = trainer.init_state(nnx.to_pure_dict(state))
   del state

@@ -196,7 +196,7 @@ class Planner:
         entropy_coef=0.0, log_ratio_clamp=10.0, aggregation='sequence',
         compute_entropy=True, head_chunk=self.args.head_chunk,
         remat=self.args.remat, shuffle=False, seed=0,
-        grad_accum_dtype='float32'))
+        grad_accum_dtype='float32', share_prompts=1))
     abstract = transformer.abstract_model(self.model_config(model))
     graphdef, state = nnx.split(abstract)
     trainer = train.Trainer(graphdef, optim, train_config, mesh, self.rules)

@@ -74,7 +74,7 @@ def configs(args):
       kl_coef=KL_COEF, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=args.entropy,
       head_chunk=args.head_chunk, remat=args.remat, shuffle=False, seed=0,
-      grad_accum_dtype='float32'))
+      grad_accum_dtype='float32', share_prompts=1))
   return optim, train_config
 
 

@@ -115,6 +115,11 @@ def train_section(**overrides) -> ml_collections.ConfigDict:
       compute_entropy=True,  # report the policy entropy (~4% of a step)
       aggregation='sequence',  # 'sequence' (paper) | 'token'
       head_chunk=512,  # tokens per chunk of the output head (memory)
+      share_prompts=1,  # up to this many responses with the same prompt
+                        # share one row and one pass over the prompt (the
+                        # G first turns of a task, the m judgments of a
+                        # step); > 1 runs the 'chunked' attention kernel on
+                        # those steps (batching.pack)
       grad_accum_dtype='float32',  # the running gradient sum over micro-
                                    # batches: 'float32' | 'bfloat16' (half
                                    # that buffer; each micro-batch's gradient

@@ -47,7 +47,8 @@ def get_config(arg: str = 'full'):
     config.train[name].update(updates_per_epoch=2, micro_batch_size=8,
                               max_prompt_len=256, max_response_len=8,
                               prompt_buckets=(64, 128, 256),
-                              response_buckets=(8,), head_chunk=64)
+                              response_buckets=(8,), head_chunk=64,
+                              share_prompts=4)  # as the default does
   config.eval.update(every=2, num_tasks=4, group_size=2, max_turns=4)
   config.eval.sampling.update(temperature=1.0, top_p=1.0, max_new_tokens=4,
                               **small)

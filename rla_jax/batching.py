@@ -1,10 +1,17 @@
 """Training examples -> padded, bucketed batches of micro-batches (host side).
 
-Letters: M micro-batches per optimizer step, B sequences per micro-batch,
-P prompt slots, R response slots, T = P + R.
+Letters: M micro-batches per optimizer step, B rows per micro-batch, K
+responses per row, N = B * K sequences per micro-batch, P prompt slots, R
+response slots, T = P + K * R.
 
 A row is `[left-padded prompt | right-padded response]`, so every response
 starts at column P and the hidden state at P - 1 + r predicts response token r.
+With `share_prompts` = K > 1, examples with the same prompt share a row:
+`[prompt | response 1 | ... | response K]`, each response in its own R slots,
+attending to the prompt and to itself only (the model's branch ids), so the
+prompt is computed once for up to K responses (the G rollouts of a task on
+their first turn, the m judgments of a step). Response-level arrays are laid
+out [M, N, R], row-major: sequence b * K + k is response k of row b.
 Prompt and response lengths are rounded up to configured buckets and M to a
 power of two, which keeps the number of compiled programs small; padding
 micro-batches are skipped on the device.
@@ -37,6 +44,8 @@ class Batch:
 
   tokens_MxBxT: np.ndarray  # int32
   mask_MxBxT: np.ndarray  # bool: real (non-pad) tokens
+  # Response-level arrays have N = B * K sequences per micro-batch (B when
+  # no prompts are shared); the names keep the K = 1 letters.
   response_mask_MxBxR: np.ndarray  # bool: response tokens that are trained
   advantages_MxB: np.ndarray  # float32: one scalar per sequence
   old_logp_MxBxR: np.ndarray  # float32: log pi_old, from the log-prob pass
@@ -48,6 +57,11 @@ class Batch:
   @property
   def response_len(self) -> int:
     return self.response_mask_MxBxR.shape[-1]
+
+  @property
+  def branches(self) -> int:
+    """K: responses per row (static, from the shapes)."""
+    return self.response_mask_MxBxR.shape[1] // self.tokens_MxBxT.shape[1]
 
 
 def select(examples: Sequence[structs.Example], *, max_prompt_len: int,
@@ -117,34 +131,74 @@ def num_micro_batches(num_examples: int, micro_batch_size: int) -> int:
   return 1 << (needed - 1).bit_length()
 
 
+def share_rows(examples: Sequence[structs.Example],
+               share_prompts: int = 1) -> list[list[structs.Example]]:
+  """The examples grouped into rows of at most `share_prompts` responses.
+
+  Examples with token-identical prompts share a row, in order of first
+  appearance (a full row starts a new one); with `share_prompts` 1, or when
+  any example has images, every example is its own row, in order.
+  """
+  if share_prompts < 1:
+    raise ValueError(f'share_prompts={share_prompts}; expected >= 1')
+  if share_prompts == 1 or any(e.images is not None for e in examples):
+    return [[e] for e in examples]
+  rows, open_rows = [], {}
+  for example in examples:
+    key = tuple(example.prompt_tokens)
+    row = open_rows.get(key)
+    if row is None or len(row) == share_prompts:
+      row = open_rows[key] = []
+      rows.append(row)
+    row.append(example)
+  return rows
+
+
+def slots(examples: Sequence[structs.Example],
+          share_prompts: int = 1) -> list[structs.Example | None]:
+  """The examples in the order of a packed batch's sequences (N axis,
+  flattened over micro-batches); None where a row has fewer than K."""
+  rows = share_rows(examples, share_prompts)
+  k = max((len(row) for row in rows), default=1)
+  return [row[i] if i < len(row) else None for row in rows for i in range(k)]
+
+
 def pack(examples: Sequence[structs.Example], *, micro_batch_size: int,
          prompt_buckets: Sequence[int],
          response_buckets: Sequence[int],
-         vision_config: vision.VisionConfig | None = None) -> Batch:
-  """Pads one step's examples into a Batch; examples keep their order.
+         vision_config: vision.VisionConfig | None = None,
+         share_prompts: int = 1) -> Batch:
+  """Pads one step's examples into a Batch.
 
-  Padding uses token id 0; it is masked out of attention and the loss.
-  Examples with images need the model's `vision_config`.
+  Examples keep their order (`slots` gives it when prompts are shared, up to
+  `share_prompts` responses per row). Padding uses token id 0; it is masked
+  out of attention and the loss. Examples with images need the model's
+  `vision_config`.
   """
   if not examples:
     raise ValueError('pack needs at least one example')
+  rows = share_rows(examples, share_prompts)
+  k = max(len(row) for row in rows)
   p = bucket(max(len(e.prompt_tokens) for e in examples), prompt_buckets)
   r = bucket(max(len(e.response_tokens) for e in examples), response_buckets)
-  m = num_micro_batches(len(examples), micro_batch_size)
-  rows = m * micro_batch_size
-  tokens = np.zeros((rows, p + r), np.int32)
-  mask = np.zeros((rows, p + r), bool)
-  response_mask = np.zeros((rows, r), bool)
-  advantages = np.zeros((rows,), np.float32)
-  for row, example in enumerate(examples):
-    n_p, n_r = len(example.prompt_tokens), len(example.response_tokens)
-    tokens[row, p - n_p:p] = example.prompt_tokens
-    tokens[row, p:p + n_r] = example.response_tokens
-    mask[row, p - n_p:p + n_r] = True
-    response_mask[row, :n_r] = True
-    advantages[row] = example.advantage
-  shape = lambda x: x.reshape((m, micro_batch_size) + x.shape[1:])
-  zeros = np.zeros((m, micro_batch_size, r), np.float32)
+  m = num_micro_batches(len(rows), micro_batch_size)
+  n_rows = m * micro_batch_size
+  tokens = np.zeros((n_rows, p + k * r), np.int32)
+  mask = np.zeros((n_rows, p + k * r), bool)
+  response_mask = np.zeros((n_rows * k, r), bool)
+  advantages = np.zeros((n_rows * k,), np.float32)
+  for i, row in enumerate(rows):
+    n_p = len(row[0].prompt_tokens)
+    tokens[i, p - n_p:p] = row[0].prompt_tokens
+    mask[i, p - n_p:p] = True
+    for j, example in enumerate(row):
+      n_r, start = len(example.response_tokens), p + j * r
+      tokens[i, start:start + n_r] = example.response_tokens
+      mask[i, start:start + n_r] = True
+      response_mask[i * k + j, :n_r] = True
+      advantages[i * k + j] = example.advantage
+  shape = lambda x: x.reshape((m, -1) + x.shape[1:])
+  zeros = np.zeros((m, micro_batch_size * k, r), np.float32)
   batch = Batch(tokens_MxBxT=shape(tokens), mask_MxBxT=shape(mask),
                 response_mask_MxBxR=shape(response_mask),
                 advantages_MxB=shape(advantages), old_logp_MxBxR=zeros,

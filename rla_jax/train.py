@@ -4,7 +4,8 @@
 only holds them jitted for one model on one mesh. `update` runs one RL
 epoch's training from a list of `structs.Example`s.
 
-Letters: M micro-batches, B sequences, T tokens, R response tokens, D width.
+Letters: M micro-batches, B rows, K responses per row (batching.pack),
+N = B * K sequences, T tokens, R response tokens, D width.
 """
 
 from __future__ import annotations
@@ -77,18 +78,48 @@ def loss_config(train_config) -> losses.LossConfig:
 
 
 def _response_hidden(model, tokens_BxT, mask_BxT, response_len: int,
-                     positions_BxTx3=None, patches=None):
-  """Hidden states that predict the response tokens, and those tokens.
+                     positions_BxTx3=None, patches=None, branches: int = 1):
+  """Hidden states that predict the response tokens, and those tokens:
+  [N, R, D] and [N, R] for rows of `branches` responses (batching.pack).
 
   With images, the vision tower encodes the micro-batch's `patches` inside
   the step (its parameters train with the rest).
   """
-  t = tokens_BxT.shape[1]
-  p = t - response_len
+  b, t = tokens_BxT.shape
+  r = response_len
+  p = t - branches * r
+  if branches > 1:
+    return _branch_hidden(model, tokens_BxT, mask_BxT, p, branches, r)
   images = None if patches is None else model.encode_images(patches)
   hidden_BxTxD = model.hidden(tokens_BxT, mask_BxT=mask_BxT,
                               positions_BxT=positions_BxTx3, images=images)
   return hidden_BxTxD[:, p - 1:t - 1], tokens_BxT[:, p:]
+
+
+def _branch_hidden(model, tokens_BxT, mask_BxT, p: int, k: int, r: int):
+  """`_response_hidden` of rows `[prompt | response 1 | ... | response K]`.
+
+  Each response continues the prompt's positions and sees only the prompt
+  and itself; its first token is predicted by the prompt's last hidden state.
+  """
+  b, t = tokens_BxT.shape
+  mask_BxT = mask_BxT.astype(bool)
+  slot_T = np.arange(t)
+  branch_T = np.where(slot_T < p, 0, (slot_T - p) // r + 1)
+  prompt_BxP = mask_BxT[:, :p]
+  positions_BxT = jnp.concatenate([
+      transformer.default_positions(prompt_BxP),
+      jnp.sum(prompt_BxP, axis=1, dtype=jnp.int32)[:, None]
+      + jnp.asarray(np.arange(k * r) % r)[None]], axis=1)
+  hidden_BxTxD = model.hidden(
+      tokens_BxT, mask_BxT=mask_BxT, positions_BxT=positions_BxT,
+      branch_BxT=jnp.broadcast_to(jnp.asarray(branch_T, jnp.int32), (b, t)))
+  r_KxR = np.arange(r)[None]
+  source_KxR = np.where(r_KxR == 0, p - 1,
+                        p + np.arange(k)[:, None] * r + r_KxR - 1)
+  hidden_BxKxRxD = jnp.take(hidden_BxTxD, source_KxR, axis=1)
+  return (hidden_BxKxRxD.reshape(b * k, r, -1),
+          tokens_BxT[:, p:].reshape(b * k, r))
 
 
 def _head_positions(head_chunk: int, batch_size: int) -> int:
@@ -116,13 +147,14 @@ def _over_micro_batches(fn, init, xs, active_M):
 
 
 def logprob_pass(params, batch: batching.Batch, *, graphdef, head_chunk: int):
-  """log pi(response token) of every micro-batch: [M, B, R] float32."""
-  r = batch.response_len
-  chunk = _head_positions(head_chunk, batch.tokens_MxBxT.shape[1])
+  """log pi(response token) of every micro-batch: [M, N, R] float32."""
+  r, k = batch.response_len, batch.branches
+  chunk = _head_positions(head_chunk, batch.response_mask_MxBxR.shape[1])
 
   def one(carry, xs):
     model = nnx.merge(graphdef, params)
-    hidden_BxRxD, targets_BxR = _response_hidden(model, *xs[:2], r, *xs[2:])
+    hidden_BxRxD, targets_BxR = _response_hidden(model, *xs[:2], r, *xs[2:],
+                                                 branches=k)
     return carry, losses.token_logprobs(hidden_BxRxD, model.head_weight(),
                                         targets_BxR, chunk=chunk)
 
@@ -154,15 +186,15 @@ def _accumulate(params, batch: batching.Batch, graphdef, loss_cfg, head_chunk,
   """
   weights_MxBxR, num_tokens, num_sequences = _global_weights(
       batch, loss_cfg.aggregation)
-  r = batch.response_len
-  chunk = _head_positions(head_chunk, batch.tokens_MxBxT.shape[1])
+  r, k = batch.response_len, batch.branches
+  chunk = _head_positions(head_chunk, batch.response_mask_MxBxR.shape[1])
 
   def loss_fn(p, xs):
     (tokens_BxT, mask_BxT, weights_BxR, old_BxR, ref_BxR, adv_B, positions,
      patches) = xs
     model = nnx.merge(graphdef, p)
     hidden_BxRxD, targets_BxR = _response_hidden(model, tokens_BxT, mask_BxT,
-                                                 r, positions, patches)
+                                                 r, positions, patches, k)
     data = dict(old_logp_BxT=old_BxR, ref_logp_BxT=ref_BxR,
                 weights_BxT=weights_BxR, advantages_B=adv_B)
     return losses.head_loss(hidden_BxRxD, model.head_weight(), targets_BxR,
@@ -337,6 +369,9 @@ class Trainer:
                        'float32 or bfloat16')
     if c.micro_batch_size < 1:
       raise ValueError(f'train.micro_batch_size={c.micro_batch_size}')
+    if not isinstance(c.share_prompts, int) or c.share_prompts < 1:
+      raise ValueError(f'train.share_prompts={c.share_prompts!r}: the most '
+                       'responses that share one copy of a prompt, >= 1')
     if c.overlong_prompt not in (batching.DROP, batching.TRUNCATE):
       raise ValueError(f'train.overlong_prompt={c.overlong_prompt!r}; '
                        f'expected {batching.DROP!r} or {batching.TRUNCATE!r}')
@@ -415,25 +450,28 @@ def _steps(train_config, kept: Sequence[structs.Example], epoch: int):
   return list(ds.batch(per_step, batch_fn=list))
 
 
-def sampler_logprobs(examples: Sequence[structs.Example], shape) -> np.ndarray:
-  """The examples' sampler log-probs laid out as `batching.pack` lays out
-  their responses (shape [M, B, R] or [N, R]); losses.NO_LOGPROB where there
-  is none."""
+def sampler_logprobs(examples: Sequence[structs.Example | None],
+                     shape) -> np.ndarray:
+  """The sampler log-probs of `examples`, in the order of a packed batch's
+  sequences (batching.slots; None: an empty slot), shape [M, N, R] or
+  [M * N, R]; losses.NO_LOGPROB where there is none."""
   out = np.full((int(np.prod(shape[:-1])), shape[-1]), losses.NO_LOGPROB,
                 np.float32)
   for row, example in enumerate(examples):
+    if example is None:
+      continue
     n = min(len(example.logprobs), len(example.response_tokens), shape[-1])
     out[row, :n] = example.logprobs[:n]
   return out.reshape(shape)
 
 
 def logprob_gaps(old_NxR: np.ndarray,
-                 examples: Sequence[structs.Example]) -> np.ndarray:
+                 examples: Sequence[structs.Example | None]) -> np.ndarray:
   """|sampler log-prob - trainer pi_old| of every response token that has one.
 
-  Row i of `old_NxR` holds example i's response (as `batching.pack` lays
-  them out). A sampler/trainer mismatch (different numerics, a cut context,
-  a wrong template) shows up here before it biases the importance ratios.
+  Row i of `old_NxR` holds the response of `examples[i]` (batching.slots).
+  A sampler/trainer mismatch (different numerics, a cut context, a wrong
+  template) shows up here before it biases the importance ratios.
   """
   sampler_NxR = sampler_logprobs(examples, old_NxR.shape)
   has_NxR = sampler_NxR != losses.NO_LOGPROB
@@ -454,17 +492,19 @@ def _batches(trainer: Trainer, state: TrainState, groups, ref_params):
     batch = batching.pack(group, micro_batch_size=c.micro_batch_size,
                           prompt_buckets=c.prompt_buckets,
                           response_buckets=c.response_buckets,
-                          vision_config=trainer.vision_config)
+                          vision_config=trainer.vision_config,
+                          share_prompts=c.share_prompts)
+    order = batching.slots(group, c.share_prompts)
     if i == 0 and ref_params is None:
       batches.append((batch.replace(old_logp_MxBxR=sampler_logprobs(
-          group, batch.old_logp_MxBxR.shape)), True))
+          order, batch.old_logp_MxBxR.shape)), True))
       continue
     old = trainer.logprobs(state.params, batch)
     ref = old if ref_params is None else trainer.logprobs(ref_params, batch)
     batches.append((batch.replace(old_logp_MxBxR=old, ref_logp_MxBxR=ref),
                     False))
     old_NxR = sharding.to_host(old)
-    gaps.append(logprob_gaps(old_NxR.reshape(-1, old_NxR.shape[-1]), group))
+    gaps.append(logprob_gaps(old_NxR.reshape(-1, old_NxR.shape[-1]), order))
   return batches, (np.concatenate(gaps) if gaps else
                    np.zeros((0,), np.float32))
 

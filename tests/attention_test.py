@@ -191,3 +191,52 @@ def test_chunked_segments_are_bidirectional_blocks(block):
   want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
   for name, g, g_want in zip('qkv', got, want):
     np.testing.assert_allclose(g, g_want, atol=1e-5, err_msg=f'd{name}')
+
+
+@pytest.mark.parametrize('block', [8, 13, 512])
+def test_branches_see_the_shared_prompt_and_themselves(block):
+  """Rows of one prompt and several responses (batching.pack's shared
+  prompts): each response attends as it would after the prompt alone."""
+  t = 41
+  q, k, v = _qkv(t, seed=5)
+  branch = np.zeros((B, t), np.int32)
+  mask = np.zeros((B, t), bool)
+  # Row 0: a left-padded 13-slot prompt and three 8-slot responses of 5, 8
+  # and 0 real tokens (the rest padding); row 1: a 17-slot prompt, all real,
+  # and three responses of 3, 1 and 8 tokens.
+  for row, (p, lengths) in enumerate(((13, (5, 8, 0)), (17, (3, 1, 8)))):
+    mask[row, 4 if row == 0 else 0:p] = True
+    for i, n in enumerate(lengths):
+      branch[row, p + 8 * i:p + 8 * (i + 1)] = i + 1
+      mask[row, p + 8 * i:p + 8 * i + n] = True
+  mask = jnp.asarray(mask)
+  w = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.float32)
+
+  def reference(q, k, v):  # the prompt followed by one response at a time
+    out = jnp.zeros_like(q)
+    for b in range(B):
+      for i in range(1, branch[b].max() + 1):
+        idx = np.flatnonzero((branch[b] == 0) | (branch[b] == i))
+        one = lambda x: x[b:b + 1, idx]
+        mine = _einsum(one(q), one(k), one(v), mask[b:b + 1, idx])[0]
+        keep = (branch[b, idx] == i) | (i == 1)  # the prompt's once
+        out = out.at[b, idx[keep]].set(mine[keep])
+    return out
+
+  real = _real(mask)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w * real)
+  want = np.asarray(reference(q, k, v)) * real
+  want_grads = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+  for impl in ('xla', 'chunked', 'auto', 'splash'):
+    fn = lambda q, k, v, impl=impl: attention.attention(
+        q, k, v, mask, impl=impl, block=block,
+        branch_BxS=jnp.asarray(branch))
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v)) * real, want,
+                               atol=2e-6, err_msg=impl)
+    grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+    for name, g, g_want in zip('qkv', grads, want_grads):
+      np.testing.assert_allclose(g, g_want, atol=1e-5,
+                                 err_msg=f'{impl} d{name}')
+  with pytest.raises(ValueError, match='branch ids need self-attention'):
+    attention.attention(q, k[:, :t - 1], v[:, :t - 1], mask[:, :t - 1],
+                        impl='xla', branch_BxS=jnp.asarray(branch))

@@ -50,7 +50,7 @@ def train_config(**overrides):
       kl_coef=0.01, entropy_coef=0.0, log_ratio_clamp=10.0,
       aggregation='sequence', compute_entropy=True, head_chunk=64,
       remat=False, shuffle=False, seed=0, logprob_gap_warn=0.05,
-      max_nonfinite_steps=8, grad_accum_dtype='float32')
+      max_nonfinite_steps=8, grad_accum_dtype='float32', share_prompts=1)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

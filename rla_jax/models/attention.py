@@ -20,7 +20,9 @@ G = H // K. Implementations (`model.attention`):
              'chunked'.
 
 The fused kernels take self-attention only (q_offset a static 0, S == T);
-other calls (prefill after a held cache) run 'chunked'. cuDNN also needs each
+other calls (prefill after a held cache) and rows of branches (`branch_BxS`:
+responses that share one copy of their prompt, see `attention`) run
+'chunked' ('xla' where asked for). cuDNN also needs each
 row's real tokens to form one contiguous run (left and/or right padding), which
 the caller states with `contiguous=True`. `decode_attention` is the one-query
 case: it reads the filled part of a KV cache block by block, in place.
@@ -55,9 +57,12 @@ def _cudnn_takes(q) -> bool:
   return q.dtype in (jnp.bfloat16, jnp.float16) and dh % 8 == 0 and dh <= 128
 
 
-def choose(impl: str, q, k, q_offset, contiguous: bool) -> str:
+def choose(impl: str, q, k, q_offset, contiguous: bool,
+           branches: bool = False) -> str:
   """The implementation that runs this call (see the module docstring)."""
   check_impl(impl)
+  if branches:
+    return 'xla' if impl == 'xla' else 'chunked'
   self_attention = (isinstance(q_offset, int) and q_offset == 0
                     and q.shape[1] == k.shape[1])
   if impl == 'auto':
@@ -81,7 +86,8 @@ def choose(impl: str, q, k, q_offset, contiguous: bool) -> str:
 
 
 def attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, *, q_offset=0,
-              impl: str = 'auto', block: int = 512, contiguous: bool = False):
+              impl: str = 'auto', block: int = 512, contiguous: bool = False,
+              branch_BxS=None):
   """Causal, masked, grouped-query attention; output [B, T, H, Dh].
 
   Args:
@@ -92,10 +98,20 @@ def attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, *, q_offset=0,
     impl: one of IMPLEMENTATIONS.
     block: query and key block length of the blockwise implementations.
     contiguous: every row's real tokens form one run (lets cuDNN take it).
+    branch_BxS: int ids for self-attention (T == S) over rows that hold one
+      prompt and several responses to it: 0 marks the shared trunk (the
+      prompt), k >= 1 the k-th response. A query sees trunk keys and the keys
+      of its own branch (with the causal and padding rules), so each response
+      attends as if it followed the prompt alone.
   """
-  impl = choose(impl, q_BxTxHxDh, k_BxSxKxDh, q_offset, contiguous)
+  impl = choose(impl, q_BxTxHxDh, k_BxSxKxDh, q_offset, contiguous,
+                branch_BxS is not None)
   if impl == 'xla':
-    return reference(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset)
+    return reference(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset,
+                     branch_BxS)
+  if branch_BxS is not None:
+    return chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset,
+                   block, branch_BxS=branch_BxS)
   if impl == 'cudnn':
     return fused_self_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS,
                                 implementation='cudnn')
@@ -118,22 +134,29 @@ def rotary(x_Bx___xNxDh, angles_Bx___xF):
   return out.astype(x_Bx___xNxDh.dtype)
 
 
-def _visible(mask_BxS, t: int, q_offset):
+def _visible(mask_BxS, t: int, q_offset, branch_BxS=None):
   """[B, T, S]: query t sees key s."""
   s = mask_BxS.shape[1]
   causal_TxS = (jnp.arange(s)[None, :]
                 <= q_offset + jnp.arange(t)[:, None])
-  return mask_BxS[:, None, :] & causal_TxS[None]
+  visible = mask_BxS[:, None, :] & causal_TxS[None]
+  if branch_BxS is not None:
+    if t != s:
+      raise ValueError('branch ids need self-attention (T == S)')
+    visible &= ((branch_BxS[:, None, :] == 0)
+                | (branch_BxS[:, None, :] == branch_BxS[:, :, None]))
+  return visible
 
 
-def reference(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0):
+def reference(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
+              branch_BxS=None):
   """The plain einsum ('xla'): scores and probabilities of all T x S pairs."""
   b, t, h, dh = q_BxTxHxDh.shape
   kv = k_BxSxKxDh.shape[2]
   q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
   scores = jnp.einsum('BTKGd,BSKd->BKGTS', q, k_BxSxKxDh,
                       preferred_element_type=jnp.float32) / math.sqrt(dh)
-  visible_BxTxS = _visible(mask_BxS, t, q_offset)
+  visible_BxTxS = _visible(mask_BxS, t, q_offset, branch_BxS)
   scores = jnp.where(visible_BxTxS[:, None, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1)
   seen_BxT = jnp.any(visible_BxTxS, axis=-1)
@@ -159,7 +182,7 @@ def _blocks(n: int, block: int) -> tuple[int, int]:
 
 
 def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
-            block: int = 512, segment_BxS=None):
+            block: int = 512, segment_BxS=None, branch_BxS=None):
   """The blockwise implementation (see the module docstring).
 
   `segment_BxS` (self-attention, T == S): query t sees key s only when both
@@ -167,7 +190,17 @@ def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
   Ids are nondecreasing along a row, padding (-1) only at its end; blocks
   of different segments are skipped, so packed images cost what they would
   one by one (plus block rounding).
+
+  `branch_BxS` (self-attention): as `segment_BxS`, but keys of branch 0 (the
+  shared trunk) are seen by every query (see `attention`). No blocks are
+  skipped for branches: a branch's keys sit between the trunk and its
+  queries.
   """
+  if segment_BxS is not None and branch_BxS is not None:
+    raise ValueError('pass segment ids or branch ids, not both')
+  trunk = branch_BxS is not None
+  if trunk:
+    segment_BxS = branch_BxS
   b, t, h, dh = q_BxTxHxDh.shape
   s, kv = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
   g = h // kv
@@ -183,11 +216,12 @@ def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset=0,
   segments = None
   if segment_BxS is not None:
     if t != s or nq * bq != nk * bk:
-      raise ValueError('segment ids need self-attention (T == S)')
+      raise ValueError(f'{"branch" if trunk else "segment"} ids need '
+                       'self-attention (T == S)')
     segments = jnp.pad(segment_BxS.astype(jnp.int32),
                        ((0, 0), (0, nk * bk - s)), constant_values=-1)
   out = _flash(q, k, v, mask, jnp.asarray(q_offset, jnp.int32), segments, bq,
-               bk)
+               bk, trunk)
   return out.transpose(0, 2, 1, 3, 4)[:, :t].reshape(b, t, h, dh)
 
 
@@ -236,19 +270,24 @@ def _span(segments_BxTp, start, size: int, block: int):
   return lo // block, jnp.maximum(lo // block, (hi - 1) // block + 1)
 
 
-def _same_segment(segments_BxTp, i, j, bq: int, bk: int, g: int):
-  """[B, R, S]: query row and key share a segment (None: no segments)."""
+def _same_segment(segments_BxTp, i, j, bq: int, bk: int, g: int,
+                  trunk: bool = False):
+  """[B, R, S]: query row and key share a segment, or (trunk) the key is in
+  the shared trunk, segment 0 (None: no segments)."""
   if segments_BxTp is None:
     return None
   rows_BxR = jnp.repeat(_take(segments_BxTp, i * bq, bq, 1), g, axis=1)
-  return rows_BxR[:, :, None] == _take(segments_BxTp, j * bk, bk, 1)[:, None]
+  keys_BxS = _take(segments_BxTp, j * bk, bk, 1)
+  same = rows_BxR[:, :, None] == keys_BxS[:, None]
+  return same | (keys_BxS[:, None] == 0) if trunk else same
 
 
 def _take(x, start, size, axis):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _forward(q, k, v, mask, q_offset, segments, bq: int, bk: int):
+def _forward(q, k, v, mask, q_offset, segments, bq: int, bk: int,
+             trunk: bool = False):
   """(out [B, K, Tp, G, Dh], lse [B, K, Tp, G] f32) by online softmax."""
   b, kv, tp, g, dh = q.shape
   nq = tp // bq
@@ -257,14 +296,15 @@ def _forward(q, k, v, mask, q_offset, segments, bq: int, bk: int):
     q_i = _take(q, i * bq, bq, 2).reshape(b, kv, bq * g, dh)
     slots_R = _row_slots(i, q_offset, bq, g)
     lo, hi = _key_range(mask, q_offset, i, bq, bk)
-    if segments is not None:  # only the key blocks of this block's segments
+    if segments is not None and not trunk:  # only its segments' key blocks
       seg_lo, seg_hi = _span(segments, i * bq, bq, bk)
       lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
 
     def key_block(j, carry):
       m_BxKxR, l_BxKxR, acc_BxKxRxDh = carry
       s = _scores(q_i, _take(k, j * bk, bk, 2), _take(mask, j * bk, bk, 1),
-                  slots_R, j, bk, _same_segment(segments, i, j, bq, bk, g))
+                  slots_R, j, bk,
+                  _same_segment(segments, i, j, bq, bk, g, trunk))
       m_new = jnp.maximum(m_BxKxR, jnp.max(s, axis=-1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key seen yet
       alpha = jnp.exp(m_BxKxR - m_safe)
@@ -292,17 +332,17 @@ def _forward(q, k, v, mask, q_offset, segments, bq: int, bk: int):
   return out.reshape(b, kv, tp, g, dh), lse.reshape(b, kv, tp, g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash(q, k, v, mask, q_offset, segments, bq: int, bk: int):
-  return _forward(q, k, v, mask, q_offset, segments, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, mask, q_offset, segments, bq: int, bk: int, trunk: bool):
+  return _forward(q, k, v, mask, q_offset, segments, bq, bk, trunk)[0]
 
 
-def _flash_fwd(q, k, v, mask, q_offset, segments, bq, bk):
-  out, lse = _forward(q, k, v, mask, q_offset, segments, bq, bk)
+def _flash_fwd(q, k, v, mask, q_offset, segments, bq, bk, trunk):
+  out, lse = _forward(q, k, v, mask, q_offset, segments, bq, bk, trunk)
   return out, (q, k, v, mask, q_offset, segments, out, lse)
 
 
-def _flash_bwd(bq, bk, residuals, dout):
+def _flash_bwd(bq, bk, trunk, residuals, dout):
   """dq, dk, dv: per key block, the query blocks that see it, recomputed."""
   q, k, v, mask, q_offset, segments, out, lse = residuals
   b, kv, tp, g, dh = q.shape
@@ -320,7 +360,7 @@ def _flash_bwd(bq, bk, residuals, dout):
     # First query block whose last slot reaches this key block.
     first = jnp.maximum(0, -(-(j * bk - q_offset + 1) // bq) - 1)
     end = nq
-    if segments is not None:  # only the query blocks of its segments
+    if segments is not None and not trunk:  # only its segments' queries
       seg_first, end = _span(segments, j * bk, bk, bq)
       first = jnp.maximum(first, seg_first)
 
@@ -331,7 +371,7 @@ def _flash_bwd(bq, bk, residuals, dout):
       lse_i = _take(lse, i * bq, bq, 2).reshape(b, kv, rows)
       delta_i = _take(delta, i * bq, bq, 2).reshape(b, kv, rows)
       s = _scores(q_i, k_j, mask_j, _row_slots(i, q_offset, bq, g), j, bk,
-                  _same_segment(segments, i, j, bq, bk, g))
+                  _same_segment(segments, i, j, bq, bk, g, trunk))
       p = jnp.exp(s - lse_i[..., None])
       dv_j = dv_j + jnp.einsum('BKRS,BKRd->BKSd', p.astype(dout.dtype), do_i,
                                preferred_element_type=jnp.float32)

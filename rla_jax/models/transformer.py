@@ -479,21 +479,29 @@ class Transformer(nnx.Module):
     return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
   def hidden(self, tokens_BxT, *, positions_BxT=None, mask_BxT=None,
-             images: vision.ImageTokens | None = None):
+             images: vision.ImageTokens | None = None, branch_BxT=None):
     """Final-normed hidden states [B, T, D] of a full (uncached) forward.
 
     `mask_BxT` marks real tokens; each row's real tokens must form one run
     (left and/or right padding), as training batches and prompts do.
     `positions_BxT` may be [B, T, 3] (multimodal); `images` the encoded
-    images of the image tokens in `tokens_BxT`.
+    images of the image tokens in `tokens_BxT`. `branch_BxT` lays a row out
+    as one prompt (branch 0) and responses to it (branches 1, 2, ...) that
+    each see the prompt and themselves only (attention.attention); such rows
+    need explicit `positions_BxT` (each response continues the prompt's).
     """
     if mask_BxT is None:
       mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     mask_BxT = mask_BxT.astype(bool)
     if positions_BxT is None:
+      if branch_BxT is not None:
+        raise ValueError('rows with branches need their positions_BxT')
       positions_BxT = default_positions(mask_BxT)
     angles_BxTxF = rope_angles(self.config, positions_BxT)
-    attend = self._attend(mask_BxT, contiguous=True)
+    if branch_BxT is None:
+      attend = self._attend(mask_BxT, contiguous=True)
+    else:
+      attend = self._attend(mask_BxT, branch_BxS=branch_BxT)
 
     def layer(block, _, x):
       return block(x, angles_BxTxF,
