@@ -38,7 +38,7 @@ from rla_jax import rollout
 from rla_jax import runtime
 from rla_jax import sharding
 from rla_jax import structs
-from rla_jax import train
+from rla_jax import train_epoch
 
 SUMMARY_KEYS = ('rollout/accuracy', 'judge/parse_fail_rate', 'policy/loss',
                 'policy/kl', 'rm/loss', 'curator/accepted', 'curator/rejected',
@@ -248,13 +248,13 @@ def _epoch(run: runtime.Run, epoch: int) -> dict[str, float]:
     values.update(stats)
 
   with timer('policy_update'):
-    run.states['policy'], stats = train.update(
+    run.states['policy'], stats = train_epoch.update(
         run.trainers['policy'], run.states['policy'], policy_examples,
         epoch=epoch, ref_params=run.ref_params.get('policy'))
     values.update({f'policy/{k}': v for k, v in stats.items()})
   if config.loop.train_rm:
     with timer('rm_update'):
-      run.states['reward_model'], stats = train.update(
+      run.states['reward_model'], stats = train_epoch.update(
           run.trainers['reward_model'], run.states['reward_model'],
           rm_examples, epoch=epoch,
           ref_params=run.ref_params.get('reward_model'))

@@ -161,7 +161,7 @@ def test_bad_stop_keys_are_named(tmp_path):
 DRIVER = """
 import json, os, signal, sys
 from configs import tiny
-from rla_jax import checkpoint, judge, loop, preemption, rollout, train
+from rla_jax import checkpoint, judge, loop, preemption, rollout, train_epoch
 point, workdir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 # What the run must put back (SIG_IGN under nohup or a background job).
 handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
@@ -170,7 +170,8 @@ config.loop.num_epochs = 2
 config.loop.update(overrides)
 if point != 'none':
   owner, name = dict(rollout=(rollout, 'run'), evaluation=(rollout, 'run'),
-                     judge=(judge, 'score'), policy_update=(train, 'update'),
+                     judge=(judge, 'score'),
+                     policy_update=(train_epoch, 'update'),
                      checkpoint=(checkpoint.Checkpointer, 'save'))[point]
   real, sent = getattr(owner, name), []
 

@@ -3,7 +3,6 @@ losses and updates as one row per example, on 1 and 8 devices."""
 
 # pylint: disable=protected-access  (counting a Trainer's compiled programs)
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,6 +11,7 @@ from rla_jax import batching
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
+from rla_jax import train_epoch
 from rla_jax.models import transformer
 
 from tests.train_test import (  # pylint: disable=g-multiple-import
@@ -139,7 +139,7 @@ def test_step_equals_one_row_per_example(params, unshared_step, mesh_shape,
 
 
 def test_update_orders_sampler_logprobs_and_does_not_retrace(params):
-  """`train.update` with shared prompts: the sampler log-probs (here the
+  """`train_epoch.update` with shared prompts: the sampler log-probs (here the
   unshared trainer's) line up with the shared rows in the on-policy step and
   in the later steps' host-side comparison, and the same shapes reuse the
   compiled programs."""
@@ -149,7 +149,7 @@ def test_update_orders_sampler_logprobs_and_does_not_retrace(params):
     example.logprobs = row[:len(example.response_tokens)].tolist()
   trainer = trainer_for(4, updates_per_epoch=2)
   state = trainer.init_state(params)
-  state, metrics = train.update(trainer, state, exs, epoch=0)
+  state, metrics = train_epoch.update(trainer, state, exs, epoch=0)
   assert metrics['steps'] == 2 and metrics['sequences'] == len(exs)
   # Off by one position or one row, the gaps would be ~1 nat.
   assert metrics['logprob_gap_max'] < 1e-4, metrics
@@ -157,7 +157,7 @@ def test_update_orders_sampler_logprobs_and_does_not_retrace(params):
               trainer._step_on_policy._cache_size(),
               trainer._logprobs._cache_size())
   assert programs == (1, 1, 1)
-  train.update(trainer, state, exs, epoch=1)
+  train_epoch.update(trainer, state, exs, epoch=1)
   assert (trainer._step._cache_size(), trainer._step_on_policy._cache_size(),
           trainer._logprobs._cache_size()) == programs
 

@@ -20,6 +20,7 @@ from rla_jax import optim
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
+from rla_jax import train_epoch
 from rla_jax.models import transformer
 
 CONFIG = transformer.ModelConfig('qwen2', 256, 64, 128, 2, 4, 2, 16,
@@ -129,15 +130,15 @@ def test_pack_layout_and_buckets():
 
 
 def test_steps_group_examples_with_a_seeded_grain_shuffle():
+  steps = train_epoch._steps  # pylint: disable=protected-access
   exs = examples(10)
   c = train_config(updates_per_epoch=4)
-  groups = train._steps(c, exs, epoch=1)  # pylint: disable=protected-access
+  groups = steps(c, exs, epoch=1)
   assert [len(g) for g in groups] == [3, 3, 3, 1]
   assert [e for g in groups for e in g] == exs  # no shuffle: data order
   c = train_config(updates_per_epoch=4, shuffle=True, seed=3)
-  first = train._steps(c, exs, epoch=1)  # pylint: disable=protected-access
-  again = train._steps(c, exs, epoch=1)  # pylint: disable=protected-access
-  other = train._steps(c, exs, epoch=2)  # pylint: disable=protected-access
+  first, again = steps(c, exs, epoch=1), steps(c, exs, epoch=1)
+  other = steps(c, exs, epoch=2)
   assert first == again and first != other
   flat = [e for g in first for e in g]
   assert flat != exs and sorted(map(id, flat)) == sorted(map(id, exs))
@@ -235,7 +236,8 @@ def test_bfloat16_first_moment(params):
       jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for _, nu in nus for x in jax.tree.leaves(nu)} == {
       jnp.dtype(jnp.float32)}
-  state, metrics = train.update(model_trainer, state, examples(8), epoch=0)
+  state, metrics = train_epoch.update(model_trainer, state, examples(8),
+                                      epoch=0)
   assert metrics['steps'] == 1 and math.isfinite(metrics['loss'])
   with pytest.raises(ValueError, match='mu_dtype'):
     optim.make_optimizer(optim_config(mu_dtype='float16'))
@@ -245,8 +247,8 @@ def test_update_runs_its_first_step_without_a_logprob_pass(params):
   model_trainer = train.Trainer(MODEL, optim_config(**SMOOTH),
                                 train_config(updates_per_epoch=1))
   state = model_trainer.init_state(params)
-  state, metrics = train.update(model_trainer, state, examples(12, seed=3),
-                                epoch=0)
+  state, metrics = train_epoch.update(model_trainer, state,
+                                      examples(12, seed=3), epoch=0)
   assert metrics['steps'] == 1 and abs(metrics['ratio_max'] - 1) < 1e-5
   assert model_trainer._logprobs._cache_size() == 0
   assert model_trainer._step._cache_size() == 0
@@ -390,9 +392,10 @@ def optimizer_counts(state):
 
 def test_update_epochs_persist_optimizer_without_retrace(trainer, params):
   state = trainer.init_state(params)
-  state, _ = train.update(trainer, state, examples(20, seed=4), epoch=0)
+  state, _ = train_epoch.update(trainer, state, examples(20, seed=4), epoch=0)
   programs = compiled_programs(trainer)
-  state, metrics = train.update(trainer, state, examples(31, seed=5), epoch=1)
+  state, metrics = train_epoch.update(trainer, state, examples(31, seed=5),
+                                      epoch=1)
   assert metrics['steps'] == 2 and metrics['dropped'] == 0
   assert int(state.step) == 4 and optimizer_counts(state) == {4}
   for key in ('loss', 'kl', 'clip_frac', 'ratio_mean', 'ratio_max', 'entropy',
@@ -404,7 +407,7 @@ def test_update_epochs_persist_optimizer_without_retrace(trainer, params):
   optim = trainer.optim_config
   optim.reset_every_epoch = True
   try:
-    state, _ = train.update(trainer, state, examples(18, seed=6), epoch=2)
+    state, _ = train_epoch.update(trainer, state, examples(18, seed=6), epoch=2)
   finally:
     optim.reset_every_epoch = False
   assert int(state.step) == 6 and optimizer_counts(state) == {2}
@@ -418,10 +421,10 @@ def test_update_reports_drops_and_handles_empty_lists(trainer, params):
   assert jax.tree.structure(restored) == jax.tree.structure(state)
   exs = examples(20, seed=6)
   exs[2] = structs.Example(list(range(1, 40)), [5, 6], 1.0)  # too long
-  state, metrics = train.update(trainer, state, exs, epoch=0)
+  state, metrics = train_epoch.update(trainer, state, exs, epoch=0)
   assert metrics['dropped'] == 1 and metrics['sequences'] == 19
   assert metrics['steps'] == 2
-  state, metrics = train.update(trainer, state, [], epoch=1)
+  state, metrics = train_epoch.update(trainer, state, [], epoch=1)
   assert metrics['steps'] == 0 and metrics['tokens'] == 0
   assert int(state.step) == 2
 
@@ -429,7 +432,7 @@ def test_update_reports_drops_and_handles_empty_lists(trainer, params):
 def test_non_finite_steps_are_skipped_logged_and_limited(trainer, params,
                                                          caplog):
   state = trainer.init_state(params)
-  state, _ = train.update(trainer, state, examples(20), epoch=0)
+  state, _ = train_epoch.update(trainer, state, examples(20), epoch=0)
   bad = jax.tree.map(lambda x: x, state.params)
   bad['final_norm']['scale'] = bad['final_norm']['scale'] * jnp.nan
   state = state.replace(params=bad)
@@ -440,7 +443,7 @@ def test_non_finite_steps_are_skipped_logged_and_limited(trainer, params,
   trainer.train_config.max_nonfinite_steps = 3
   try:
     with caplog.at_level(logging.WARNING):
-      state, metrics = train.update(trainer, state, exs, epoch=7)
+      state, metrics = train_epoch.update(trainer, state, exs, epoch=7)
     # Both steps skipped: parameters and optimizer state as they were.
     assert metrics['skipped_steps'] == 2 and metrics['steps'] == 0
     assert metrics['tokens'] == 0 and 'loss' not in metrics
@@ -457,10 +460,10 @@ def test_non_finite_steps_are_skipped_logged_and_limited(trainer, params,
                        match=r'3 non-finite policy train steps in a row '
                        r'\(train.max_nonfinite_steps=3\), the last policy '
                        r'update 1/2 of epoch 8') as error:
-      train.update(trainer, state, exs, epoch=8)
+      train_epoch.update(trainer, state, exs, epoch=8)
     assert int(error.value.state.step) == 2
     # A finite step ends the run of them.
-    train.update(trainer, trainer.init_state(params), exs, epoch=9)
+    train_epoch.update(trainer, trainer.init_state(params), exs, epoch=9)
     assert trainer.nonfinite_streak == 0
   finally:
     trainer.train_config.max_nonfinite_steps = limit
@@ -470,8 +473,8 @@ def test_non_finite_steps_are_skipped_logged_and_limited(trainer, params,
 def test_frozen_reference_model_gives_kl(trainer, params):
   state = trainer.init_state(params)
   ref = jax.tree.map(lambda x: x * 1.5, params)
-  _, metrics = train.update(trainer, state, examples(20), epoch=0,
-                            ref_params=ref)
+  _, metrics = train_epoch.update(trainer, state, examples(20), epoch=0,
+                                  ref_params=ref)
   assert metrics['kl'] > 1e-4
 
 
@@ -509,17 +512,18 @@ def test_logprob_gap_between_sampler_and_trainer(trainer, params, caplog):
   # What a sampler with the trainer's numerics would have recorded.
   exact = [dataclasses.replace(e, logprobs=old_NxR[i, :len(
       e.response_tokens)].tolist()) for i, e in enumerate(exs)]
-  state, metrics = train.update(trainer, state, exact, epoch=0)
+  state, metrics = train_epoch.update(trainer, state, exact, epoch=0)
   assert metrics['logprob_gap_mean'] < 1e-6
   assert not [r for r in caplog.records if 'log-probs differ' in r.message]
   # A sampler that is off by 0.5 nat on every token is flagged.
   shifted = [dataclasses.replace(e, logprobs=[p - 0.5 for p in e.logprobs])
              for e in exact]
   state = trainer.init_state(params)
-  _, metrics = train.update(trainer, state, shifted, epoch=1)
+  _, metrics = train_epoch.update(trainer, state, shifted, epoch=1)
   assert metrics['logprob_gap_mean'] == pytest.approx(0.5, abs=1e-5)
   assert metrics['logprob_gap_max'] == pytest.approx(0.5, abs=1e-5)
   assert [r for r in caplog.records if 'log-probs differ' in r.message]
   # Examples without sampler log-probs report no gap.
-  _, metrics = train.update(trainer, trainer.init_state(params), exs, epoch=2)
+  _, metrics = train_epoch.update(trainer, trainer.init_state(params), exs,
+                                  epoch=2)
   assert 'logprob_gap_mean' not in metrics

@@ -20,6 +20,7 @@ from rla_jax import sampler
 from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
+from rla_jax import train_epoch
 from rla_jax.models import hf
 from rla_jax.models import hf_vision
 from rla_jax.models import transformer
@@ -460,7 +461,7 @@ def test_judge_and_feedback_carry_images(folder):
   rm = train.Trainer(rm.graphdef, rm.optim_config, rm.train_config,
                      kind='reward')
   state = rm.init_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  state, metrics = train.update(rm, state, examples, epoch=0)
+  state, metrics = train_epoch.update(rm, state, examples, epoch=0)
   assert metrics['steps'] == 1 and metrics['dropped'] == 0
   assert metrics['logprob_gap_mean'] < 1e-4  # sampler and trainer agree
 
