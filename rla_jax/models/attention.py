@@ -109,16 +109,14 @@ def attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, *, q_offset=0,
   if impl == 'xla':
     return reference(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset,
                      branch_BxS)
-  if branch_BxS is not None:
-    return chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset,
-                   block, branch_BxS=branch_BxS)
   if impl == 'cudnn':
     return fused_self_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS,
                                 implementation='cudnn')
   if impl == 'splash':
     return splash(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, block,
                   interpret=jax.default_backend() != 'tpu')
-  return chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset, block)
+  return chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxS, q_offset, block,
+                 branch_BxS=branch_BxS)
 
 
 def rotary(x_Bx___xNxDh, angles_Bx___xF):
