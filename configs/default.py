@@ -30,7 +30,7 @@ def get_config(arg: str = 'full'):
   options, rows = base.split_options(arg, OPTIONS)
   config = base.get_config()
   config.env = dict(
-      name='textworld',  # rla_jax/envs/textworld.py
+      name='textworld',  # rla_jax/envs/textworld/
       game_dir='',  # '' = <workdir>/games
       max_turns=4,  # quests are one action long: 4 turns leave room to look
       num_train=16,

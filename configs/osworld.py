@@ -16,7 +16,7 @@ gradient checkpointing on both, lr 1e-6, 400 steps, evaluation and
 checkpoints every 20. The paper ran on 12x8 GPUs against the benchmark's
 VMs; here the default desktops are local (env.provider='local':
 launch/desktop.sh, Xvfb on 127.0.0.1, one per concurrent episode) running
-the project's own tasks (rla_jax/envs/osworld_tasks: 12 tasks over
+the project's own tasks (rla_jax/envs/osworld/tasks: 12 tasks over
 mousepad, zenity dialogs and xterm), so numbers are not
 comparable with the paper's OSWorld scores (31.1 -> 40.2). For the
 benchmark itself: `pip install desktop-env`, a folder of OSWorld task JSONs
@@ -48,9 +48,9 @@ OPTIONS = ('smoke',)
 
 
 def env_section() -> ml_collections.ConfigDict:
-  """config.env of the OSWorld setting (rla_jax/envs/osworld.py)."""
+  """config.env of the OSWorld setting (rla_jax/envs/osworld/)."""
   return ml_collections.ConfigDict(dict(
-      name='osworld',  # rla_jax/envs/osworld.py
+      name='osworld',  # rla_jax/envs/osworld/
       provider='local',  # 'local': desktops on this host (launch/desktop.sh)
                          # | 'vm': OSWorld's DesktopEnv (the benchmark's
                          # VMs; pip install desktop-env), see `vm`
@@ -61,7 +61,7 @@ def env_section() -> ml_collections.ConfigDict:
           snapshot_name='init_state',
           os_type='Ubuntu',
       ),
-      task_dir='',  # folder of task JSONs; '' = rla_jax/envs/osworld_tasks
+      task_dir='',  # folder of task JSONs; '' = rla_jax/envs/osworld/tasks
       max_desktops=16,  # local desktops started on demand (one per episode
                         # running at once)
       acquire_timeout_s=600.0,  # wait for a free desktop, then fail loudly

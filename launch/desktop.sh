@@ -5,7 +5,7 @@
 #       [--size WxH] [--home DIR] [--python PATH] [--run-dir DIR]
 #
 # start: Xvfb :N (WxH, 24-bit, no TCP), a D-Bus session bus, the AT-SPI
-# accessibility bus, openbox, and rla_jax/envs/desktop_server.py (the
+# accessibility bus, openbox, and rla_jax/envs/osworld/desktop_server.py (the
 # OSWorld controller's HTTP API) on 127.0.0.1:P only; returns once the
 # server answers GET /platform. Apps started through the server run with
 # HOME=DIR; `python` in their commands is --python (default: the repo's
@@ -240,7 +240,7 @@ start_desktop() {
       fail "the accessibility bus did not start" "$RUN_DIR/atspi.log"
   fi
 
-  setsid "$SYSTEM_PYTHON" "$REPO/rla_jax/envs/desktop_server.py" --host 127.0.0.1 \
+  setsid "$SYSTEM_PYTHON" "$REPO/rla_jax/envs/osworld/desktop_server.py" --host 127.0.0.1 \
     --port "$PORT" --home "$HOME_DIR" --python "$PYTHON" \
     > "$RUN_DIR/server.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/server.pid"

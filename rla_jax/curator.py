@@ -17,7 +17,6 @@ from absl import logging
 import numpy as np
 
 from rla_jax import boxed
-from rla_jax import feedback
 from rla_jax import structs
 from rla_jax import truncation
 from rla_jax.envs import base
@@ -219,14 +218,14 @@ def high_risk_steps(traj: structs.Trajectory,
   scores = {}
   for j in judgments:
     if j.step_key == traj.step_key(j.step):
-      scores.setdefault(j.step, []).append(feedback.score(j))
+      scores.setdefault(j.step, []).append(structs.score(j))
   return sorted(k for k, s in scores.items() if s and all(x == -1 for x in s))
 
 
 def rationale(judgments: Iterable[structs.Judgment], k: int) -> str:
   """The first RM answer that scored step `k` as -1 ('' if none)."""
   for j in sorted(judgments, key=lambda j: j.sample):
-    if j.step == k and feedback.score(j) == -1:
+    if j.step == k and structs.score(j) == -1:
       return j.response.strip()
   return ''
 

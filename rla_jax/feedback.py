@@ -18,8 +18,6 @@ from rla_jax import structs
 Group = tuple[str, str]
 StepKey = tuple[str, str, int, int]
 
-STEPS, UNIT_TESTS = 'steps', 'unit_tests'  # config.feedback.mode
-MODES = (STEPS, UNIT_TESTS)
 SINGLETON_MODES = ('raw', 'zero')
 # Which groups train the policy: 'mixed' = some but not all of the non-error
 # rollouts won (the authors' AlfWorld filter, for any G and with errors);
@@ -94,14 +92,10 @@ def judgments_by_step(
   return index
 
 
-def score(judgment: structs.Judgment) -> int:
-  """S of one judgment; an unparseable answer counts as 0."""
-  return judgment.score if judgment.parsed else 0
-
-
 def step_score(samples: Sequence[structs.Judgment]) -> float:
   """mean_j S_j over the m judgments of a step (0 when there are none)."""
-  return float(np.mean([score(j) for j in samples])) if samples else 0.0
+  return (float(np.mean([structs.score(j) for j in samples])) if samples
+          else 0.0)
 
 
 def step_rewards(trajectories: Iterable[structs.Trajectory],
@@ -222,9 +216,10 @@ def integrate(
   """
   trajectories = list(trajectories)
   _check_unique(trajectories)
-  if config.mode not in MODES:
-    raise ValueError(f'config.feedback.mode={config.mode!r}: one of {MODES}')
-  if config.mode == UNIT_TESTS:
+  if config.mode not in structs.FEEDBACK_MODES:
+    raise ValueError(f'config.feedback.mode={config.mode!r}: one of '
+                     f'{structs.FEEDBACK_MODES}')
+  if config.mode == structs.UNIT_TESTS:
     policy, rm, stats = unit_test_examples(trajectories, judgments, config,
                                            set(exclude))
     return policy, rm, {f'feedback/{k}': v for k, v in stats.items()}
@@ -286,7 +281,7 @@ def rm_metrics(
     rm/mu: p_plus + p_minus; more samples m help iff mu > 1 (Theorem 1).
     judge/parse_fail_rate: unparseable answers / all judgments.
   """
-  if mode == UNIT_TESTS:
+  if mode == structs.UNIT_TESTS:
     return unit_test_metrics(trajectories, judgments)
   by_step = judgments_by_step(judgments)
   outcome_hits, agreement, process_hits = [], [], []
@@ -304,9 +299,9 @@ def rm_metrics(
       if k < len(labels) and labels[k] is not None:
         process_hits.append(np.sign(mean) == np.sign(labels[k]))
       if traj.outcome > 0:
-        plus.extend(score(j) == 1 for j in samples)
+        plus.extend(structs.score(j) == 1 for j in samples)
       else:
-        minus.extend(score(j) == -1 for j in samples)
+        minus.extend(structs.score(j) == -1 for j in samples)
     if step_means:
       outcome_hits.append(np.sign(np.mean(step_means)) == np.sign(traj.outcome))
   judgments = list(judgments)

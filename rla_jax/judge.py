@@ -16,7 +16,6 @@ import numpy as np
 
 from rla_jax import chat
 from rla_jax import distributed
-from rla_jax import feedback
 from rla_jax import structs
 from rla_jax.boxed import last_boxed
 
@@ -78,17 +77,18 @@ def score(rm_model, tokenizer, env, trajectories, *, mode: str,
   gets m unit tests from the RM (env.rm_messages, env.parse_judgment), each
   then run on every program of the group (env.execute); see `_run_tests`.
   """
-  if mode not in feedback.MODES:
+  if mode not in structs.FEEDBACK_MODES:
     raise ValueError(f'config.feedback.mode={mode!r}: one of '
-                     f'{feedback.MODES}')
-  steps = mode == feedback.STEPS
+                     f'{structs.FEEDBACK_MODES}')
+  steps = mode == structs.STEPS
   ok = [t for t in trajectories if t.status == structs.OK]
   if steps:
     requests = [(t, k, env.judge_messages(t.spec, s.prompt, s.response,
                                           s.observation))
                 for t in ok for k, s in enumerate(t.steps)]
   else:
-    for method in ('rm_messages', 'parse_judgment', 'execute'):
+    for method in ('rm_messages', 'parse_judgment', 'supports_unit_tests',
+                   'execute'):
       if not hasattr(env, method):
         raise ValueError(f'config.feedback.mode={mode!r} needs an environment '
                          f'that writes unit tests; {type(env).__name__} has '

@@ -98,13 +98,6 @@ def _generate_fn(run: runtime.Run, epoch: int, cuts: list[int]):
   return generate
 
 
-def _cut_frac(items) -> float:
-  """Fraction of steps / judgments whose prompt was cut (NaN for none)."""
-  items = list(items)
-  return (float(np.mean([i.prompt_cut for i in items])) if items
-          else float('nan'))
-
-
 class _Timer:
   """Times the stages of an epoch; entering one is a stop point."""
 
@@ -135,33 +128,6 @@ def _stage_done(values: dict[str, float], epoch: int, stage: str,
   if chief and seconds >= 1:
     print(f'epoch {epoch}: {label or stage} done in {seconds:.0f} s (peak '
           f'RSS {rss:.1f} GB)', flush=True)
-
-
-def _win_rate(ok_trajs) -> float:
-  """Fraction of (non-error) rollouts that succeeded; NaN when none."""
-  return (float(np.mean([t.outcome > 0 for t in ok_trajs])) if ok_trajs
-          else float('nan'))
-
-
-def _rollout_metrics(trajs, accuracy) -> dict[str, float]:
-  ok = [t for t in trajs if t.status == structs.OK]
-  steps = [s for t in ok for s in t.steps]
-  measured = [a.accuracy for a in accuracy.values() if a.accuracy is not None]
-  return {
-      'rollout/accuracy': _win_rate(ok),
-      'rollout/task_accuracy_mean': float(np.mean(measured))
-                                    if measured else float('nan'),
-      'rollout/trajectories': len(trajs),
-      'rollout/errors': sum(t.status == structs.ERROR for t in trajs),
-      'rollout/turns_mean': float(np.mean([len(t.steps) for t in ok]))
-                            if ok else 0.0,
-      'rollout/response_tokens_mean': float(np.mean(
-          [len(s.response_tokens) for s in steps])) if steps else 0.0,
-      'rollout/truncated_frac': float(np.mean(
-          [s.finish_reason == 'length' for s in steps])) if steps else 0.0,
-      'rollout/prompt_cut_frac': _cut_frac(steps),
-      'rollout/parse_retries': sum(s.retries for s in steps),
-  }
 
 
 def _env_metrics(run: runtime.Run, trajs, prefix: str) -> dict[str, float]:
@@ -203,11 +169,9 @@ def _epoch(run: runtime.Run, epoch: int) -> dict[str, float]:
         max_turns=run.env.max_turns)
   accuracy = feedback.task_accuracy(trajs)
   acc = {g: a.accuracy for g, a in accuracy.items()}
-  values.update(_rollout_metrics(trajs, accuracy))
+  values.update(rollout.batch_metrics(trajs, accuracy,
+                                      values['time/rollout_s']))
   values.update(_env_metrics(run, trajs, 'rollout/'))
-  values['rollout/tokens_per_s'] = sum(
-      len(s.response_tokens) for t in trajs for s in t.steps) / max(
-          values['time/rollout_s'], 1e-9)
 
   judgments = []
   if _needs_judge(config):
@@ -220,7 +184,7 @@ def _epoch(run: runtime.Run, epoch: int) -> dict[str, float]:
           mesh=run.mesh, rules=run.rules)
     values.update(feedback.rm_metrics(trajs, judgments,
                                       config.feedback.mode))
-    values['judge/prompt_cut_frac'] = _cut_frac(judgments)
+    values['judge/prompt_cut_frac'] = rollout.cut_frac(judgments)
 
   exclude = set()
   if config.curator.enabled:
@@ -317,10 +281,10 @@ def _evaluate(run: runtime.Run, epoch: int) -> dict[str, float]:
     ok = [t for t in trajs if t.status == structs.OK]
     prefix = f'eval/{split}/'
     values.update({
-        prefix + 'accuracy': _win_rate(ok),
+        prefix + 'accuracy': rollout.win_rate(ok),
         prefix + 'episodes': len(ok),
         prefix + 'errors': len(trajs) - len(ok),
-        prefix + 'prompt_cut_frac': _cut_frac(s for t in ok for s in t.steps),
+        prefix + 'prompt_cut_frac': rollout.cut_frac(s for t in ok for s in t.steps),
         **_env_metrics(run, trajs, prefix),
     })
     if config.eval.judge:

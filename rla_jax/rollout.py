@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
+import numpy as np
+
 from rla_jax import chat
 from rla_jax import distributed
 from rla_jax import metrics
@@ -195,3 +197,40 @@ def run(env, tasks: Sequence[TaskRef], *, group_size: int,
         logging.exception('episode.close() failed')
   return trajs
 
+
+def win_rate(ok_trajs) -> float:
+  """Fraction of (non-error) rollouts that succeeded; NaN when none."""
+  return (float(np.mean([t.outcome > 0 for t in ok_trajs])) if ok_trajs
+          else float('nan'))
+
+
+def cut_frac(items) -> float:
+  """Fraction of steps / judgments whose prompt was cut (NaN for none)."""
+  items = list(items)
+  return (float(np.mean([i.prompt_cut for i in items])) if items
+          else float('nan'))
+
+
+def batch_metrics(trajs, accuracy, seconds: float) -> dict[str, float]:
+  """The rollout/* metrics of one rollout stage: `trajs` it made in
+  `seconds`, and the groups' accuracies (feedback.task_accuracy)."""
+  ok = [t for t in trajs if t.status == structs.OK]
+  steps = [s for t in ok for s in t.steps]
+  measured = [a.accuracy for a in accuracy.values() if a.accuracy is not None]
+  return {
+      'rollout/accuracy': win_rate(ok),
+      'rollout/task_accuracy_mean': float(np.mean(measured))
+                                    if measured else float('nan'),
+      'rollout/trajectories': len(trajs),
+      'rollout/errors': sum(t.status == structs.ERROR for t in trajs),
+      'rollout/turns_mean': float(np.mean([len(t.steps) for t in ok]))
+                            if ok else 0.0,
+      'rollout/response_tokens_mean': float(np.mean(
+          [len(s.response_tokens) for s in steps])) if steps else 0.0,
+      'rollout/truncated_frac': float(np.mean(
+          [s.finish_reason == 'length' for s in steps])) if steps else 0.0,
+      'rollout/prompt_cut_frac': cut_frac(steps),
+      'rollout/parse_retries': sum(s.retries for s in steps),
+      'rollout/tokens_per_s': sum(len(s.response_tokens) for t in trajs
+                                  for s in t.steps) / max(seconds, 1e-9),
+  }

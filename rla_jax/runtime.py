@@ -7,6 +7,7 @@ the task pool; `validate` rejects inconsistent configs naming the key.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from concurrent import futures
 import os
@@ -26,6 +27,9 @@ from rla_jax.models import loading
 from rla_jax.models import transformer
 
 KL_REFERENCES = ('pi_old', 'initial')
+# Texts the stages put into prompts (the environment LLM sees critiques in
+# the curator's template), handed to a setting's make_tokenizer hook.
+STAGE_TEXTS = (curator.CRITIQUE_TEMPLATE,)
 # Which sampler section feeds which model's training data.
 _SAMPLED_BY = {'policy': 'rollout', 'reward_model': 'judge'}
 
@@ -86,8 +90,8 @@ def validate(config) -> None:
         "must be 'raw' or 'zero'")
   check(config.feedback.policy_filter in feedback.POLICY_FILTERS,
         'feedback.policy_filter', f'must be one of {feedback.POLICY_FILTERS}')
-  check(config.feedback.mode in feedback.MODES, 'feedback.mode',
-        f'must be one of {feedback.MODES}')
+  check(config.feedback.mode in structs.FEEDBACK_MODES, 'feedback.mode',
+        f'must be one of {structs.FEEDBACK_MODES}')
   check(config.feedback.unit_test_reward in feedback.UNIT_TEST_REWARDS,
         'feedback.unit_test_reward',
         f'must be one of {feedback.UNIT_TEST_REWARDS}')
@@ -125,10 +129,13 @@ def lookup(config, key: str):
 
 
 def make_env(config, workdir: str):
+  """The setting's module (a package under rla_jax/envs/, or tiny.py) and
+  its environment."""
   try:
     module = importlib.import_module(f'rla_jax.envs.{config.env.name}')
   except ModuleNotFoundError as e:
-    raise ValueError(f'config.env.name={config.env.name!r}: no module '
+    raise ValueError(f'config.env.name={config.env.name!r}: no setting '
+                     f'rla_jax/envs/{config.env.name}/ or '
                      f'rla_jax/envs/{config.env.name}.py ({e})') from e
   return module, module.from_config(config.env, workdir)
 
@@ -139,6 +146,9 @@ def setup(config, workdir: str) -> Run:
   rules = sharding.resolve_rules(config.mesh.rules)
   env_module, env = make_env(config, workdir)
   make_tokenizer = getattr(env_module, 'make_tokenizer', None)
+  if make_tokenizer is not None:
+    # Word-level vocabularies cover the texts the stages add to prompts.
+    make_tokenizer = functools.partial(make_tokenizer, STAGE_TEXTS)
   graphdefs, params, tokenizers = {}, {}, {}
   with sharding.use(mesh, rules):
     for name in ('policy', 'reward_model', 'env_model'):

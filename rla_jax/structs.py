@@ -19,6 +19,11 @@ TASK_LEVEL = -1  # Judgment.rollout / .step of a judgment of a whole group
 OK = 'ok'
 ERROR = 'error'  # the environment failed; excluded from training, counted
 
+# config.feedback.mode: what the RM judges. 'steps': each policy step (agent
+# settings); 'unit_tests': the RM writes tests of the task (coding).
+STEPS, UNIT_TESTS = 'steps', 'unit_tests'
+FEEDBACK_MODES = (STEPS, UNIT_TESTS)
+
 
 @dataclasses.dataclass
 class Rewrite:
@@ -129,6 +134,11 @@ class Judgment:
   def step_key(self) -> tuple[str, str, int, int]:
     """The `Trajectory.step_key` of the step this judgment scores."""
     return (self.task_id, self.source, self.rollout, self.step)
+
+
+def score(judgment: Judgment) -> int:
+  """S of one judgment; an unparseable answer counts as 0."""
+  return judgment.score if judgment.parsed else 0
 
 
 @dataclasses.dataclass

@@ -5,13 +5,13 @@ import pytest
 
 from configs import base
 from rla_jax import chat
-from rla_jax.envs import tiny
+from rla_jax.envs import word_tokenizer
 from rla_jax.models import transformer
 
 
 @pytest.fixture(scope='module')
 def setup():
-  tok = tiny.make_tokenizer()
+  tok = word_tokenizer.make_tokenizer()
   config = transformer.ModelConfig(
       model_type='qwen2', vocab_size=len(tok), hidden_size=32,
       intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,

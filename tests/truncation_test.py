@@ -6,13 +6,13 @@ import pytest
 from configs import base
 from rla_jax import chat
 from rla_jax import truncation
-from rla_jax.envs import tiny
+from rla_jax.envs import word_tokenizer
 from rla_jax.models import transformer
 
 
 @pytest.fixture(scope='module')
 def tok():
-  return tiny.make_tokenizer()  # one token per character
+  return word_tokenizer.make_tokenizer()  # one token per character
 
 
 def test_short_prompt_is_untouched(tok):

@@ -1,8 +1,17 @@
 """The protocol every setting implements (structural typing, no base class).
 
-An environment module provides task specs (JSON-able dicts), episodes that
-step on text actions, the prompts the policy and the reward model see, and a
-`rewrite` hook the curator calls to make a task harder or easier.
+A setting is a module under rla_jax/envs/ (a package whose `__init__.py`
+re-exports its face, or one file like tiny.py) named by `config.env.name`.
+It provides task specs (JSON-able dicts), episodes that step on text
+actions, the prompts the policy and the reward model see, and a `rewrite`
+hook the curator calls to make a task harder or easier.
+
+Everything a setting offers is listed here: what it must have
+(`SettingModule.from_config`, `Environment`, `Episode`) and every optional
+hook with the default the stages use without it (`SettingModule`'s
+`make_tokenizer`, `OptionalHooks`, `UnitTestHooks`). A setting imports no
+stage module (curator, judge, rollout, ...): what it needs from a stage is
+handed in (the stages' prompt texts reach `make_tokenizer` as an argument).
 """
 
 from __future__ import annotations
@@ -70,11 +79,11 @@ class RewriteRequest:
 
 
 class Episode(Protocol):
-  """One play-through of one task spec; not shared between threads.
+  """One play-through of one task spec; not shared between threads."""
 
-  An episode may also have an `info` dict attribute (JSON-able facts about
-  the play-through); the rollout copies it into `Trajectory.info`.
-  """
+  # Optional (default {}): JSON-able facts about the play-through, which the
+  # rollout copies into `Trajectory.info` after the episode ends.
+  info: dict[str, Any]
 
   def reset(self) -> str:
     """Starts the episode; returns the first observation."""
@@ -144,19 +153,69 @@ class Environment(Protocol):
               attempts: int) -> dict[str, Any]:
     """A harder/easier version of `request.spec`; raises RewriteRejected."""
 
-  # Optional: `close()` releases what the setting holds (desktops, servers)
-  # when the run ends.
-  # Optional: `metrics(trajectories) -> dict[str, float]`, the setting's own
-  # numbers for a batch of rollouts (the loop logs them under rollout/ and
-  # eval/<split>/). A module may also define `make_tokenizer()` for random
-  # models.
-  #
-  # Unit-test judges (config.feedback.mode='unit_tests', the coding setting)
-  # replace judge_messages with:
-  #   rm_messages(spec) -> messages: ask the RM for ONE unit test of `spec`;
-  #   parse_judgment(text) -> test | None: the test in an RM answer;
-  #   supports_unit_tests(spec) -> bool: whether RM tests apply to `spec`;
-  #   execute(spec, programs, tests) -> bool [P, U]: which program passes
-  #     which test (None tests fail everywhere); programs come from
-  #     Trajectory.info['program'], which the episode also fills with
-  #     'gt_ratio' (the fraction of ground-truth tests passed).
+
+class OptionalHooks(Protocol):
+  """What an Environment may also have; the stages read each with getattr
+  and use the default named here when it is absent."""
+
+  # Unparseable responses are sampled again up to this many times (default
+  # 0), at a temperature of at least `retry_temperature` (default 0.0).
+  parse_retries: int
+  retry_temperature: float
+
+  def turn_messages(self, spec: dict[str, Any], observation: str,
+                    first: bool) -> list[dict[str, str]]:
+    """What one turn adds to a chat held in the sampler's KV cache.
+
+    Needed by sampling.session='kv' (rollout.py refuses that mode without
+    it). `first` is True on an episode's first turn; a final 'assistant'
+    message is an answer prefix, as in policy_messages.
+    """
+
+  def metrics(self, trajectories: Sequence[Any]) -> dict[str, float]:
+    """The setting's own numbers for a batch of rollouts; the loop logs
+    them under rollout/ and eval/<split>/ (default: none)."""
+
+  def close(self) -> None:
+    """Releases what the setting holds (desktops, servers) when the run
+    ends (default: nothing to release)."""
+
+
+class UnitTestHooks(Protocol):
+  """Unit-test judges (config.feedback.mode='unit_tests', the coding
+  setting) replace judge_messages with these four; judge.py refuses that
+  mode for an environment without them.
+
+  Programs come from Trajectory.info['program'], which the episode also
+  fills with 'gt_ratio' (the fraction of ground-truth tests passed).
+  """
+
+  def rm_messages(self, spec: dict[str, Any]) -> list[dict[str, str]]:
+    """Chat messages asking the RM for ONE unit test of `spec`."""
+
+  def parse_judgment(self, text: str) -> Any:
+    """The test in an RM answer, or None when there is none."""
+
+  def supports_unit_tests(self, spec: dict[str, Any]) -> bool:
+    """Whether RM-written tests apply to `spec`."""
+
+  def execute(self, spec: dict[str, Any], programs: Sequence[str],
+              tests: Sequence[Any]) -> Any:
+    """bool [P, U]: which program passes which test (a None test fails
+    everywhere)."""
+
+
+class SettingModule(Protocol):
+  """The module `config.env.name` names (`rla_jax.envs.<name>`)."""
+
+  def from_config(self, env_config: Any, workdir: str) -> Environment:
+    """The environment of `config.env`; `workdir` holds its caches."""
+
+  def make_tokenizer(self, stage_texts: Sequence[str] = ()) -> Any:
+    """Optional: the tokenizer of random models (`:smoke`, tests).
+
+    `stage_texts` are the texts the stages add to prompts
+    (runtime.STAGE_TEXTS: the curator's critique template), so that a
+    word-level vocabulary can cover them. Without this hook a config must
+    name real models.
+    """

@@ -14,7 +14,7 @@ from configs import base
 from rla_jax import chat
 from rla_jax import rollout
 from rla_jax import sampler
-from rla_jax.envs import alfworld
+from rla_jax.envs.alfworld import environment as alfworld
 from rla_jax.models import transformer
 
 pytest.importorskip('alfworld')

@@ -17,9 +17,9 @@ from rla_jax import chat
 from rla_jax import rollout
 from rla_jax import structs
 from rla_jax.envs import base
-from rla_jax.envs import osworld
-from rla_jax.envs import osworld_desktops as desktops
-from rla_jax.envs import osworld_prompts as prompts
+from rla_jax.envs.osworld import desktops
+from rla_jax.envs.osworld import environment as osworld
+from rla_jax.envs.osworld import prompts
 
 
 def call(action, **args):

@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rla_jax.envs import sandbox
+from rla_jax.envs.coding import sandbox
 
 MAX_LEVEL = 5
 _ID = ('id', 'name', 'task_id', 'problem_id', 'question_id')

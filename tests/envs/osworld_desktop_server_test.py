@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from PIL import Image
 import pytest
 
-from rla_jax.envs import desktop
+from rla_jax.envs.osworld import desktop
 
 if shutil.which('Xvfb') is None:
   pytest.skip('Xvfb is not installed (apt-get install xvfb openbox dbus-x11 '

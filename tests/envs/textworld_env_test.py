@@ -12,8 +12,8 @@ import pytest
 from rla_jax import structs
 from rla_jax import truncation
 from rla_jax.envs import base
-from rla_jax.envs import textworld as tw
-from rla_jax.envs import textworld_text as twtext
+from rla_jax.envs.textworld import environment as tw
+from rla_jax.envs.textworld import text as twtext
 from conftest import fake_generate  # pylint: disable=g-bad-import-order
 
 try:

@@ -33,7 +33,7 @@ import urllib.request
 Command = Union[str, Sequence[str]]
 PYAUTOGUI_PREFIX = ('import pyautogui; import time; '
                     'pyautogui.FAILSAFE = False; ')
-SCRIPT = Path(__file__).resolve().parents[2] / 'launch' / 'desktop.sh'
+SCRIPT = Path(__file__).resolve().parents[3] / 'launch' / 'desktop.sh'
 START_TIMEOUT_S = 60.0
 
 

@@ -18,12 +18,13 @@ from rla_jax import feedback
 from rla_jax import rollout
 from rla_jax import structs
 from rla_jax.envs import base
-from rla_jax.envs import coding
-from rla_jax.envs import coding_data
-from rla_jax.envs import coding_rewrite
-from rla_jax.envs import sandbox
+from rla_jax.envs.coding import data as coding_data
+from rla_jax.envs.coding import environment as coding
+from rla_jax.envs.coding import rewrite as coding_rewrite
+from rla_jax.envs.coding import sandbox
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 from configs import coding as coding_config  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 needs_bwrap = pytest.mark.skipif(

@@ -7,7 +7,7 @@ results in `info`. The reward model does not judge steps: each RM sample
 writes ONE unit test (`rm_messages`, `parse_unit_test`), which runs against
 every program of the task (`execute`); rla_jax.feedback turns those results
 into the policy's and the RM's rewards (config.feedback.mode='unit_tests').
-The curator's rewrites (coding_rewrite.py) are checked by running the new
+The curator's rewrites (rewrite.py) are checked by running the new
 tests.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from rla_jax.envs import base
-from rla_jax.envs import coding_data
-from rla_jax.envs import coding_rewrite
-from rla_jax.envs import sandbox
-from rla_jax.envs import tiny
+from rla_jax.envs import word_tokenizer
+from rla_jax.envs.coding import data as coding_data
+from rla_jax.envs.coding import rewrite as coding_rewrite
+from rla_jax.envs.coding import sandbox
 
 POLICY_PROMPT = (
     'Solve the following programming problem in Python 3. First think about '
@@ -76,9 +76,11 @@ ALPHABET = string.printable.replace('\x0b', '').replace('\x0c', '').replace(
     '\r', '')
 
 
-def make_tokenizer():
-  """A character-level tokenizer over printable ASCII, for random models."""
-  return tiny.make_tokenizer(tuple(ALPHABET))
+def make_tokenizer(stage_texts: Sequence[str] = ()):
+  """A character-level tokenizer over printable ASCII, for random models
+  (it covers the stages' texts, `stage_texts`, as it is)."""
+  del stage_texts
+  return word_tokenizer.make_tokenizer(tuple(ALPHABET))
 
 
 # Parsing model answers.
@@ -242,7 +244,7 @@ class CodingEnv:
       if not data:
         raise ValueError(f'config.eval.splits has {split!r} but '
                          f'config.env.eval_files.{split} is not set (a '
-                         'JSONL file, see rla_jax/envs/coding_data.py)')
+                         'JSONL file, see rla_jax/envs/coding/data.py)')
     else:
       raise ValueError(f'unknown coding split {split!r}: train, humaneval, '
                        f'builtin or one of {sorted(c.eval_files)}')

@@ -1,6 +1,6 @@
 """The OSWorld setting against local desktops: tasks, evaluators, the loop.
 
-Every task of rla_jax/envs/osworld_tasks is set up on a real local desktop
+Every task of rla_jax/envs/osworld/tasks is set up on a real local desktop
 (launch/desktop.sh), fails its evaluator, is solved by a scripted sequence
 of the agent's own actions (computer_use calls through the controller), and
 then passes every evaluator variant. The smoke config runs 2 epochs end to
@@ -16,10 +16,11 @@ import pytest
 
 from rla_jax import curator
 from rla_jax import loop
-from rla_jax.envs import osworld
-from rla_jax.envs import osworld_desktops as desktops
+from rla_jax.envs.osworld import desktops
+from rla_jax.envs.osworld import environment as osworld
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from configs import osworld as osworld_config  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 

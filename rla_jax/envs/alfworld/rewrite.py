@@ -21,7 +21,7 @@ import re
 from rla_jax import boxed
 from rla_jax import structs
 from rla_jax import truncation
-from rla_jax.envs import alfworld_games as games
+from rla_jax.envs.alfworld import games
 
 # How the facts of each predicate read in the digest (authors' wording).
 EXPLAIN = {

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rla_jax.envs import sandbox
+from rla_jax.envs.coding import sandbox
 
 needs_bwrap = pytest.mark.skipif(
     not sandbox.available(),

@@ -21,10 +21,11 @@ import pytest
 
 from rla_jax import curator
 from rla_jax import loop
-from rla_jax.envs import alfworld
-from rla_jax.envs import alfworld_rewrite as rewriting
+from rla_jax.envs.alfworld import environment as alfworld
+from rla_jax.envs.alfworld import rewrite as rewriting
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from configs import alfworld as alfworld_config  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 

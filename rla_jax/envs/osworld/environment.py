@@ -1,7 +1,7 @@
 """The paper's OSWorld setting (RLANYTHING.md 4): a GUI agent on a desktop.
 
 The policy sees screenshots (the current one and up to two before it) and
-acts with one `computer_use` tool call per turn (osworld_prompts.py); the
+acts with one `computer_use` tool call per turn (prompts.py); the
 call becomes pyautogui code sent to the desktop through the OSWorld
 controller's HTTP API (execute), and the next screenshot comes back the same
 way. An unparseable answer is sampled again up to `parse_retries` times
@@ -9,7 +9,7 @@ way. An unparseable answer is sampled again up to `parse_retries` times
 not executed, never an environment error. A step's observation carries the
 screenshot after the action and the one it was taken on, so the RM (4.3)
 judges each step from both. When the agent terminates or the turns run out,
-the task's evaluator (osworld_eval.py) decides the outcome.
+the task's evaluator (evaluators.py) decides the outcome.
 
 Tasks are OSWorld task JSONs with the RLAnything fields: `evaluators`
 (name -> evaluator), `task_template` (name -> canonical instruction) and
@@ -20,7 +20,7 @@ names an unknown evaluator or changes nothing is rejected, and when none
 is valid the rewrite is a logged rejection (the authors fall back to the
 unchanged task silently).
 
-Desktops (osworld_desktops.py): provider 'local' runs one desktop of this
+Desktops (desktops.py): provider 'local' runs one desktop of this
 host per concurrent episode (launch/desktop.sh), started on demand and
 reset between episodes by restarting the apps; provider 'vm' runs
 OSWorld's own DesktopEnv (docker, VMware, AWS, ...: the benchmark's VMs and
@@ -44,13 +44,13 @@ from typing import Any
 
 from rla_jax import structs
 from rla_jax.envs import base
-from rla_jax.envs import desktop
-from rla_jax.envs import osworld_desktops as desktops
-from rla_jax.envs import osworld_eval
-from rla_jax.envs import osworld_prompts as prompts
-from rla_jax.envs import tiny
+from rla_jax.envs import word_tokenizer
+from rla_jax.envs.osworld import desktop
+from rla_jax.envs.osworld import desktops
+from rla_jax.envs.osworld import evaluators as osworld_eval
+from rla_jax.envs.osworld import prompts
 
-TASK_DIR = os.path.join(os.path.dirname(__file__), 'osworld_tasks')
+TASK_DIR = os.path.join(os.path.dirname(__file__), 'tasks')
 SPLITS = ('train', 'eval')  # the authors evaluate on the training tasks
 INVALID = 'INVALID ACTION'  # prefix of the action a failed parse executes
 VISION_TOKENS = ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>',
@@ -398,17 +398,23 @@ class OSWorldEnv:
     }
 
 
-def make_tokenizer():
+def make_tokenizer(stage_texts: Sequence[str] = ()):
   """Tokenizer of random models: the words of this setting's prompts and
-  tasks, single characters otherwise, and Qwen3-VL's image tokens."""
+  tasks, single characters otherwise, and Qwen3-VL's image tokens.
+
+  The stages' texts (`stage_texts`, the curator's critique template) add no
+  words: their words outside this vocabulary are <unk> to random models.
+  """
+  del stage_texts
   texts = [prompts.SYSTEM, prompts.INSTRUCTION, prompts.JUDGE,
            prompts.JUDGE_SYSTEM, prompts.REWRITE]
   texts += [json.dumps(t) for t in load_tasks(TASK_DIR)]
   words = sorted({w for t in texts for w in re.findall(r'[A-Za-z_]+', t)})
-  chars = tuple(tiny.ALPHABET) + ('"', '<', '>', '|', '#', '*', '&', '%')
-  return tiny.make_tokenizer(tokens=chars + tuple(words),
-                             split=r'[A-Za-z_]+|\n|.',
-                             specials=VISION_TOKENS)
+  chars = tuple(word_tokenizer.ALPHABET) + ('"', '<', '>', '|', '#', '*',
+                                            '&', '%')
+  return word_tokenizer.make_tokenizer(tokens=chars + tuple(words),
+                                       split=r'[A-Za-z_]+|\n|.',
+                                       specials=VISION_TOKENS)
 
 
 # config.env keys that OSWorldEnv takes as they are.

@@ -107,8 +107,8 @@ def parse_args(argv):
             '::1 or localhost)')
   args.host = host
   args.home = os.path.realpath(os.path.expanduser(args.home))
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.realpath(__file__))))
+  # rla_jax/envs/osworld/desktop_server.py -> the checkout
+  repo = os.path.realpath(__file__).rsplit(os.sep, 4)[0]
   real_home = os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir)
   for keep in (real_home, repo):
     if keep == args.home or keep.startswith(args.home + '/'):

@@ -22,8 +22,8 @@ import numpy as np
 
 from rla_jax import structs
 from rla_jax.envs import base
-from rla_jax.envs import coding_data
-from rla_jax.envs import sandbox
+from rla_jax.envs.coding import data as coding_data
+from rla_jax.envs.coding import sandbox
 
 _JSON_FENCE = re.compile(r'```(?:json)?[ \t]*\n(.*?)```', re.DOTALL)
 _GOALS = {

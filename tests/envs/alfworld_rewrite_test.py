@@ -8,11 +8,11 @@ import shutil
 import pytest
 
 from rla_jax import structs
-from rla_jax.envs import alfworld
-from rla_jax.envs import alfworld_games as games
-from rla_jax.envs import alfworld_play as play
-from rla_jax.envs import alfworld_rewrite as rewriting
 from rla_jax.envs import base
+from rla_jax.envs.alfworld import environment as alfworld
+from rla_jax.envs.alfworld import games
+from rla_jax.envs.alfworld import play
+from rla_jax.envs.alfworld import rewrite as rewriting
 from conftest import fake_generate  # pylint: disable=g-bad-import-order
 
 pytest.importorskip('alfworld')

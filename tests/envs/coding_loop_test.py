@@ -20,10 +20,11 @@ import pytest
 
 from rla_jax import curator
 from rla_jax import loop
-from rla_jax.envs import coding
-from rla_jax.envs import coding_data
+from rla_jax.envs.coding import data as coding_data
+from rla_jax.envs.coding import environment as coding
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from configs import coding as coding_config  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -3,16 +3,16 @@
 Games come from a user's ALFWorld data folder in the official layout
 (`env.data_dir`: json_2.1.1/{train,valid_seen,valid_unseen}/<task>/<trial>/),
 or, offline, are generated from the alfworld package's own scenes
-(alfworld_games.py; ALFWorld-STYLE games, not the benchmark's). valid_seen
+(games.py; ALFWorld-STYLE games, not the benchmark's). valid_seen
 is the in-distribution split, valid_unseen the out-of-distribution one
 (held-out scenes, optionally held-out object types). Games are played by
-TextWorld's PDDL engine with admissible commands (alfworld_play.py).
+TextWorld's PDDL engine with admissible commands (play.py).
 
 Prompts are the authors': the policy sees the history of observations and
 actions and the numbered admissible actions and answers an index in
 \\boxed{} (3.3); the judge sees the policy's prompt, its response and the
 next observation (3.4). A won episode ends at the winning step. Rewrites
-(3.7, alfworld_rewrite.py) swap the goal's two types of the slot's root game;
+(3.7, rewrite.py) swap the goal's two types of the slot's root game;
 a candidate becomes pending only if its constraints hold, it loads and the
 planner solves it.
 
@@ -38,11 +38,11 @@ import numpy as np
 
 from rla_jax import structs
 from rla_jax import truncation
-from rla_jax.envs import alfworld_games as games
-from rla_jax.envs import alfworld_play as play
-from rla_jax.envs import alfworld_prompts as prompts
-from rla_jax.envs import alfworld_rewrite as rewriting
 from rla_jax.envs import base
+from rla_jax.envs.alfworld import games
+from rla_jax.envs.alfworld import play
+from rla_jax.envs.alfworld import prompts
+from rla_jax.envs.alfworld import rewrite as rewriting
 
 _STAGES = {'pick_and_place_simple': 2, 'look_at_obj_in_light': 3,
            'pick_two_obj_and_place': 4}  # the rest (clean/heat/cool): 4
@@ -75,7 +75,7 @@ class AlfWorldEnv:
       distractors: inclusive range of other object types per generated game.
       max_receptacles: receptacles kept per generated game (0 = the scene's).
       heldout_objects: object types only valid_unseen's goals use.
-      step_labels: 'planner' | 'handcoded' | 'none' (alfworld_play.Episode).
+      step_labels: 'planner' | 'handcoded' | 'none' (play.Episode).
       on_unparseable: 'first' (the authors: candidate 0) | 'noop'.
       max_history: earlier turns shown to the policy (None: all, the
         authors).

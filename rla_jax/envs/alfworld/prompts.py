@@ -14,9 +14,9 @@ import re
 
 from rla_jax import boxed
 from rla_jax import structs
-from rla_jax.envs import alfworld_games as games
-from rla_jax.envs import alfworld_rewrite as rewriting
-from rla_jax.envs import tiny
+from rla_jax.envs import word_tokenizer
+from rla_jax.envs.alfworld import games
+from rla_jax.envs.alfworld import rewrite as rewriting
 
 SYSTEM = 'You are a helpful assistant.'
 GUIDE = (
@@ -94,19 +94,19 @@ def options(commands: Sequence[str]) -> str:
   return f'{CHOOSE}\n{listed}\n'
 
 
-def make_tokenizer():
+def make_tokenizer(stage_texts: Sequence[str] = ()):
   """A word-level tokenizer over ALFWorld's words, for random models.
 
-  Words of the grammar, the object types and the prompts, with or without
-  a leading space, are one token each (prompts are ~4x shorter than
-  character by character); any other word is <unk>, other characters are
-  single tokens.
+  Words of the grammar, the object types, the prompts and `stage_texts`
+  (what the stages add to prompts: runtime.setup hands in the curator's
+  critique template), with or without a leading space, are one token each
+  (prompts are ~4x shorter than character by character); any other word is
+  <unk>, other characters are single tokens.
   """
   import string  # pylint: disable=g-import-not-at-top
-  from rla_jax import curator  # pylint: disable=g-import-not-at-top
   constants, _ = games.alfworld_modules()
   with open(games.package_file('data', 'alfred.twl2')) as f:
-    texts = [f.read(), SYSTEM, GUIDE, CHOOSE, JUDGE, curator.CRITIQUE_TEMPLATE,
+    texts = [f.read(), SYSTEM, GUIDE, CHOOSE, JUDGE, *stage_texts,
              json.dumps(rewriting.EXPLAIN), json.dumps(rewriting.FRAMEWORK),
              rewriting.prompt('', games.TASK_TYPES[0], structs.HARDER, 0.5,
                               ['x'], ('A', 'B'))]
@@ -115,5 +115,5 @@ def make_tokenizer():
   words |= {w for t in types for w in (t, t.lower(), t + 'Type')}
   chars = [c for c in string.printable if c not in '\x0b\x0c\r']
   words = sorted(words)
-  return tiny.make_tokenizer(chars + words + [' ' + w for w in words],
-                             split=r' ?[A-Za-z]+|.|\n')
+  return word_tokenizer.make_tokenizer(
+      chars + words + [' ' + w for w in words], split=r' ?[A-Za-z]+|.|\n')

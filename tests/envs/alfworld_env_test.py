@@ -11,10 +11,10 @@ import pytest
 from configs import alfworld as alfworld_config
 from rla_jax import structs
 from rla_jax import truncation
-from rla_jax.envs import alfworld
-from rla_jax.envs import alfworld_games as games
-from rla_jax.envs import alfworld_play as play
-from rla_jax.envs import alfworld_prompts as prompts
+from rla_jax.envs.alfworld import environment as alfworld
+from rla_jax.envs.alfworld import games
+from rla_jax.envs.alfworld import play
+from rla_jax.envs.alfworld import prompts
 
 pytest.importorskip('alfworld')
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning')

@@ -23,7 +23,7 @@ import numpy as np
 from rla_jax import structs
 from rla_jax import truncation
 from rla_jax.envs import base
-from rla_jax.envs import textworld_text as twtext
+from rla_jax.envs.textworld import text as twtext
 
 KNOBS = ('nb_rooms', 'nb_objects', 'quest_length')
 # Bump when generation changes, so cached games of the old scheme are not used.

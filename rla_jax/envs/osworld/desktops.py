@@ -8,7 +8,7 @@ a clean desktop, then the task's set-up), `screenshot()`, `accessibility()`,
   accessibility bus and our OSWorld server on 127.0.0.1). A task starts
   from a reset that kills the apps and empties the home folder (seconds),
   then runs the task's `config` steps; the task's own evaluators
-  (osworld_eval.py) decide it.
+  (evaluators.py) decide it.
 - `VM`: OSWorld's `desktop_env.DesktopEnv` (`pip install desktop-env`;
   providers docker, vmware, virtualbox, aws, ...), for the benchmark's
   task files: DesktopEnv reverts the VM snapshot and runs the task's
@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Any
 
-from rla_jax.envs import desktop
-from rla_jax.envs import osworld_eval
+from rla_jax.envs.osworld import desktop
+from rla_jax.envs.osworld import evaluators as osworld_eval
 
 WINDOW_WAIT_S = 20.0  # a task's apps must show a window within this
 
