@@ -399,3 +399,215 @@ def test_large_inputs_and_escaped_daemons(nothing_left):
             '  os._exit(0)\n'
             'print(1)\n')
   assert _one(daemon, expected='1').passed  # the grandchild dies with it
+
+
+# Forged rewards (issue 31): what a policy would find, each a wrong program.
+
+FRAME_WALK = '''
+import hashlib, sys
+def forged():
+  f = sys._getframe()
+  while f:
+    job, k = f.f_locals.get('job'), f.f_locals.get('k')
+    if isinstance(job, dict) and 'expected' in job and isinstance(k, int):
+      for answer in ['YES', 'NO'] + [str(i) for i in range(100)]:
+        if hashlib.sha256(answer.encode()).digest() == job['expected'][k]:
+          return answer
+    f = f.f_back
+  return 'none'
+print(forged())
+'''
+
+CHECK_FROM_MEMORY = '''
+import ast, gc, sys
+def _answers():
+  """candidate(args) == value pairs of any check source in reach."""
+  sources = []
+  f = sys._getframe()
+  while f:
+    sources += [v for v in f.f_locals.values() if isinstance(v, str)]
+    for v in f.f_locals.values():
+      if isinstance(v, (list, tuple, dict)):
+        items = v.values() if isinstance(v, dict) else v
+        for t in items:
+          if isinstance(t, (list, tuple)):
+            sources += [x for x in t if isinstance(x, str)]
+          elif isinstance(t, str):
+            sources.append(t)
+    f = f.f_back
+  table = {}
+  for text in sources:
+    try:
+      tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+      continue
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Call)
+          and node.left.func.id == 'candidate'):
+        args = tuple(ast.literal_eval(a) for a in node.left.args)
+        table[args] = ast.literal_eval(node.comparators[0])
+  return table
+TABLE = _answers()
+def double(x):
+  return TABLE.get((x,), 0)
+'''
+
+CHECK = ('def check(candidate):\n'
+         '  assert candidate(3) == 6\n'
+         '  assert candidate(5) == 10\n'
+         '  assert candidate(0.5) == 1.0\n'
+         'check(double)\n')
+CHECK_ABS = ('assert double(3) == 6\n'
+             'assert abs(double(0.5) - 1.0) < 1e-9\n')
+WRONG = 'def double(x):\n  return x\n'
+
+FORGED_CHECKS = {
+    'builtins.exec replaced':
+        WRONG + 'import builtins\nbuiltins.exec = lambda *a, **k: None\n',
+    'the compiled check swapped in the caller frame':
+        WRONG + 'import sys\ndef swap():\n  f = sys._getframe()\n'
+        '  while f:\n'
+        '    for v in list(f.f_locals.values()):\n'
+        '      if isinstance(v, dict):\n'
+        '        for key in list(v):\n'
+        '          if type(v[key]).__name__ == "code":\n'
+        '            v[key] = compile("pass", "<forged>", "exec")\n'
+        '    f = f.f_back\n'
+        'swap()\n',
+    'result frames written to fd 3':
+        WRONG + 'import marshal, os\n'
+        'for event in ((0, "done", ""), "0\\x1fdone\\x1f"):\n'
+        '  data = (marshal.dumps(event) if isinstance(event, tuple) else\n'
+        '          event.encode())\n'
+        '  os.write(3, len(data).to_bytes(4, "big") + data)\n'
+        'os._exit(0)\n',
+    'an object that equals everything':
+        'class Any:\n  def __eq__(self, other):\n    return True\n'
+        'def double(x):\n  return Any()\n',
+    'an int subclass that equals everything':
+        'class Int(int):\n  def __eq__(self, other):\n    return True\n'
+        '  __hash__ = int.__hash__\n'
+        'def double(x):\n  return Int(0)\n',
+    # Our own: the expected values read from the check's source in memory.
+    'answers read from the check in memory': CHECK_FROM_MEMORY,
+    # Our own: leaving before the check runs, however it is done.
+    'sys.exit(0) before the check': WRONG + 'import sys\nsys.exit(0)\n',
+    'os._exit(0) in an atexit hook':
+        WRONG + 'import atexit, os\natexit.register(os._exit, 0)\n',
+    'AssertionError replaced':
+        WRONG + 'import builtins\n'
+        'builtins.AssertionError = type("AssertionError", (Exception,), {})\n',
+}
+
+
+def test_a_frame_walk_finds_no_expected_output(nothing_left):
+  tests = [('', 'YES'), ('', 'NO'), ('', '7'), ('', '12')]
+  results = sandbox.run(FRAME_WALK, tests)
+  assert [r.status for r in results] == ['wrong_answer'] * 4, results
+  assert [r.output for r in results] == ['none\n'] * 4
+
+
+@pytest.mark.parametrize('name', sorted(FORGED_CHECKS))
+def test_a_forged_check_fails(name, nothing_left):
+  result, = sandbox.run(FORGED_CHECKS[name], [sandbox.Check(CHECK)])
+  assert result.status in ('wrong_answer', 'error'), (name, result)
+
+
+def test_a_builtin_the_check_uses_cannot_be_patched(nothing_left):
+  # Our own forge: the program patches abs, which the check calls.
+  forged = ('import builtins\nbuiltins.abs = lambda x: 0\n'
+            'def double(x):\n  return {3: 6}.get(x, x)\n')
+  result, = sandbox.run(forged, [sandbox.Check(CHECK_ABS)])
+  assert result.status == 'wrong_answer', result
+
+
+def test_the_real_solution_passes_the_forged_checks_checks():
+  results = sandbox.run('def double(x):\n  return 2 * x\n',
+                        [sandbox.Check(CHECK), sandbox.Check(CHECK_ABS)])
+  assert all(r.passed for r in results), results
+
+
+def test_checks_see_plain_values_of_the_program():
+  program = ('import math\nN = 3\nPAIRS = {(1, 2): [b"x", {4.5}]}\n'
+             'def f(*args, **kwargs):\n  return (args, kwargs)\n'
+             'def g():\n  raise ValueError("no")\n'
+             'def h():\n  return math.sqrt\n')
+  checks = {
+      'assert N == 3 and PAIRS == {(1, 2): [b"x", {4.5}]}': 'ok',
+      'assert f(1, "a", k=(None, 2j)) == ((1, "a"), {"k": (None, 2j)})': 'ok',
+      'assert type(f(1)[0]) is tuple': 'ok',
+      'try:\n  g()\nexcept ValueError as e:\n  assert "no" in str(e)': 'ok',
+      'h()': 'error',  # a function is not a plain value
+      'f(lambda: 1)': 'error',  # nor as an argument
+      'math': 'error',  # modules stay with the program
+  }
+  results = sandbox.run(program, [sandbox.Check(c) for c in checks])
+  assert [r.status for r in results] == list(checks.values()), results
+
+
+def test_no_expected_output_is_anywhere_the_program_can_read(nothing_left):
+  # Our own forge: look for the expected text in memory, in every fd and in
+  # every process's files the sandbox shows, and print what is found.
+  search = '''
+import gc, os, sys
+def found():
+  texts = [o for o in gc.get_objects() if isinstance(o, (str, bytes))]
+  f = sys._getframe()
+  while f:
+    texts += list(f.f_locals.values()) + list(f.f_globals.values())
+    f = f.f_back
+  for fd in range(64):
+    try:
+      texts.append(os.pread(fd, 1 << 20, 0))
+    except OSError:
+      pass
+  for pid in os.listdir('/proc'):
+    for name in ('cmdline', 'environ', 'fd/0', 'fd/1', 'fd/3', 'fd/5'):
+      try:
+        fd = os.open(f'/proc/{pid}/{name}', os.O_RDONLY | os.O_NONBLOCK)
+        texts.append(os.read(fd, 1 << 20))
+        os.close(fd)
+      except OSError:
+        pass
+  for t in texts:
+    t = t.decode('latin-1') if isinstance(t, bytes) else t
+    if isinstance(t, str) and 'MARK' + 'ER-' in t:
+      i = t.index('MARK' + 'ER-')
+      return t[i:i + 15]
+  return 'none'
+print(found())
+'''
+  results = sandbox.run(search, [('', 'MARKER-81726354'), ('1', 'MARKER-2')])
+  assert [r.output for r in results] == ['none\n', 'none\n'], results
+
+
+# The contract: a Result for any text, a named SandboxError for a bad limit.
+
+
+def test_any_test_text_gives_results(nothing_left):
+  echo = 'import sys\nsys.stdout.write(sys.stdin.read())\n'
+  cases = [('\ud800', '\ufffd' * 3), ('a\udcffb', 'a\ufffdb'),
+           ('x\0y', 'x\0y'), ('z' * (2 << 20), 'z' * (2 << 20))]
+  results = sandbox.run(echo, cases + [(s, '') for s, _ in cases[:2]] +
+                        [('\ud800', '\ud800'), sandbox.Check('\ud800')])
+  assert [r.status for r in results] == (
+      ['ok'] * 4 + ['wrong_answer'] * 3 + ['error']), results
+  assert sandbox.run('print("\ud800")', [('', '\ud800')])[0].status == 'error'
+  assert sandbox.run('print(1)\0', [('', '1')])[0].status == 'error'
+
+
+@pytest.mark.parametrize('time_limit_s', [float('nan'), float('inf'), -1.0,
+                                          0.0, 1e9, '2', True, None])
+def test_a_bad_time_limit_is_a_named_sandbox_error(time_limit_s):
+  with pytest.raises(sandbox.SandboxError, match='time_limit_s='):
+    sandbox.run('print(1)', [('', '1')], time_limit_s)
+
+
+@pytest.mark.parametrize('field,value', [
+    ('memory_mb', 0), ('memory_mb', 1.5), ('processes', -1),
+    ('wall_factor', float('nan')), ('wall_extra_s', -1.0),
+    ('keep_output', float('inf')), ('open_files', True)])
+def test_a_bad_limit_is_a_named_sandbox_error(field, value):
+  limits = sandbox.Limits(**{field: value})
+  with pytest.raises(sandbox.SandboxError, match=f'limits.{field}='):
+    sandbox.run('print(1)', [('', '1')], limits=limits)

@@ -5,9 +5,30 @@
 `tests` holds (stdin, expected_stdout) pairs, `Check(code)` assert-style
 tests (HumanEval's `check(candidate)`), or None for a test that could not be
 parsed (reported as 'invalid_test', never run). All tests of one program run
-in ONE sandboxed process (sandbox_harness.py); `run_many` runs many programs
-in parallel. Nothing the program does makes these functions raise; a broken
+in ONE sandbox (sandbox_harness.py); `run_many` runs many programs in
+parallel. Nothing the program does makes these functions raise; a broken
 sandbox raises SandboxError (SandboxUnavailable when bwrap is missing).
+
+Rewards the program cannot forge. A policy is trained on these verdicts, so
+the program is treated as an attacker of them:
+- The expected outputs never enter the sandbox: the harness reports a hash
+  of each test's (whitespace-collapsed) stdout and this process compares.
+  A program that walks its frames or heap to the expected data, or to
+  anything else of the job, finds nothing: it runs in a fresh interpreter
+  (sandbox_runner.py, exec'd, not forked from the harness) that holds the
+  program and the input of its current test only.
+- An assert-style check never runs in the program's process. The program
+  runs in a serving runner; the check runs in a second, non-dumpable
+  runner in which each of the program's names is a stub: calls and results
+  cross a pipe as plain values (builtin types, exact), so an object whose
+  `__eq__` is always true, a replaced `builtins.exec` or `abs`, a swapped
+  compiled check, the check's expected values read from memory, or result
+  frames written to the program's own event pipe cannot make it pass. Only
+  the checking runner's event is a verdict; whatever the program reports
+  can only fail its test.
+- The harness (PID 1, non-dumpable) cannot be traced or read, its channel
+  to this process is not inherited by any runner, and runner events are
+  plain text it parses without unmarshalling.
 
 Isolation (ENVIRONMENTS.md section 4): bubblewrap as an unprivileged uid of
 its own per concurrent sandbox (RLIMIT_NPROC counts per uid, so parallel
@@ -60,6 +81,8 @@ INSTALL_HINT = ('install bubblewrap (Debian/Ubuntu: `apt-get install -y '
                 '--config.env.sandbox.allow_unsandboxed=True')
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                         'sandbox_harness.py')
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                       'sandbox_runner.py')
 # The harness's code object arrives on stdin ahead of the job, compiled once
 # per interpreter (compiling it in every run would cost ~3 ms of start-up).
 _BOOT = ('import marshal,os\n'
@@ -146,9 +169,13 @@ def run(program: str, tests: Sequence[Test], time_limit_s: float = 2.0, *,
 
   `time_limit_s` is the CPU time allowed per test (wall-clock time gets
   `wall_factor` times that, plus `wall_extra_s`, so a loaded machine does not
-  turn slow-but-correct programs into timeouts).
+  turn slow-but-correct programs into timeouts). Any program and test text
+  gives Results (lone surrogates in a test are encoded as they are); a time
+  limit or `limits` field that is not a number in its range raises
+  SandboxError naming it.
   """
   limits = limits or Limits()
+  _check_limits(limits, time_limit_s)
   results: list[Result | None] = [None] * len(tests)
   job_tests, expected, index = [], [], []
   for i, test in enumerate(tests):
@@ -163,12 +190,15 @@ def run(program: str, tests: Sequence[Test], time_limit_s: float = 2.0, *,
     return [r or Result(ERROR, 'no program') for r in results]
   if job_tests:
     token = secrets.token_hex(16)
-    job = {'program': program, 'tests': job_tests, 'expected': expected,
+    # The expected outputs stay here: the sandbox reports each output's
+    # digest and this process compares.
+    job = {'program': program, 'tests': job_tests,
            'time_limit_s': float(time_limit_s), 'token': token,
            'limits': _harness_limits(limits, time_limit_s, job_tests)}
     wall = len(job_tests) * (time_limit_s * limits.wall_factor +
                              limits.wall_extra_s)
-    for i, result in zip(index, _execute(job, limits, wall + _GRACE_S)):
+    for i, result in zip(index, _execute(job, expected, limits,
+                                         wall + _GRACE_S)):
       results[i] = result
   return results
 
@@ -197,10 +227,43 @@ def run_many(jobs: Sequence[tuple[Any, ...]], time_limit_s: float = 2.0, *,
   return [f.result() for f in pending]
 
 
+def utf8(text: str) -> bytes:
+  """`text` as bytes, never an exception: surrogate escapes back to their
+  bytes, any other lone surrogate in its (invalid) UTF-8 form."""
+  try:
+    return text.encode('utf-8', 'surrogateescape')
+  except UnicodeEncodeError:
+    return text.encode('utf-8', 'surrogatepass')
+
+
 def expected_digest(expected: str) -> bytes:
-  """The hash the harness compares stdout against (whitespace collapsed)."""
-  data = expected.encode('utf-8', 'surrogateescape')
-  return hashlib.sha256(b' '.join(data.split())).digest()
+  """The hash a test's stdout is compared by (whitespace collapsed)."""
+  return hashlib.sha256(b' '.join(utf8(expected).split())).digest()
+
+
+# Limits fields -> (smallest allowed value, whether it must be an integer).
+_RANGES = {'memory_mb': (1, True), 'stack_mb': (1, True),
+           'processes': (1, True), 'file_mb': (1, True),
+           'output_mb': (1, True), 'tmp_mb': (1, True),
+           'open_files': (4, True), 'wall_factor': (1.0, False),
+           'wall_extra_s': (0.0, False), 'keep_output': (0, True),
+           'uid_base': (0, True)}
+_MAX_TIME_S = 86400.0
+
+
+def _check_limits(limits: Limits, time_limit_s: float):
+  """SandboxError for a limit that is not a finite number in its range."""
+  values = {f'limits.{k}': (getattr(limits, k), low, whole)
+            for k, (low, whole) in _RANGES.items()}
+  values['time_limit_s'] = (time_limit_s, 1e-3, False)
+  for name, (value, low, whole) in values.items():
+    high = _MAX_TIME_S if name == 'time_limit_s' else float('inf')
+    kinds = (int,) if whole else (int, float)
+    if (isinstance(value, bool) or not isinstance(value, kinds) or
+        not low <= value < float('inf') or value > high):
+      kind = 'an integer' if whole else 'a number'
+      bound = f' and <= {high:g}' if high < float('inf') else ''
+      raise SandboxError(f'{name}={value!r}: must be {kind} >= {low}{bound}')
 
 
 def _test_spec(test: Test) -> tuple[str, str, bytes | None] | None:
@@ -221,7 +284,7 @@ def _harness_limits(limits: Limits, time_limit_s: float,
            'wall_factor', 'wall_extra_s', 'keep_output')
   out = {name: getattr(limits, name) for name in names}
   # The worker writes each test's stdin into a file under this limit too.
-  largest = max(len(p.encode('utf-8', 'surrogateescape')) for _, p in tests)
+  largest = max(len(utf8(p)) for _, p in tests)
   out['file_bytes'] = max(limits.file_mb << 20, largest + 1)
   # Backstop only: the harness enforces the per-test CPU limit itself.
   out['cpu_total_s'] = int(len(tests) * (time_limit_s + 1)) + 5
@@ -334,13 +397,16 @@ def _warn_unsandboxed():
                     'protect this machine. To fix: %s', INSTALL_HINT)
 
 
-def _execute(job: dict[str, Any], limits: Limits,
-             timeout_s: float) -> list[Result]:
+def _execute(job: dict[str, Any], expected: list[bytes | None],
+             limits: Limits, timeout_s: float) -> list[Result]:
   """Starts one harness on `job`; its Results, in job order."""
   if not os.path.exists(limits.python):
     raise SandboxUnavailable(f'no interpreter at {limits.python} '
                              '(config.env.sandbox.python)')
-  code = _harness_code(limits.python)
+  code = _compiled(limits.python, _HARNESS)
+  # The harness starts every runner from this code (compiling the runner's
+  # source in each one would cost ~3 ms).
+  job = dict(job, runner=_compiled(limits.python, _RUNNER))
   payload = marshal.dumps(job, 4)
   payload = b''.join((len(code).to_bytes(4, 'big'), code,
                       len(payload).to_bytes(4, 'big'), payload))
@@ -360,32 +426,33 @@ def _execute(job: dict[str, Any], limits: Limits,
       raise
   finally:
     _release_slot(slot)
-  return _parse(stdout, stderr, proc.returncode, job)
+  return _parse(stdout, stderr, proc.returncode, job, expected)
 
 
-_code_cache: dict[str, bytes] = {}
+_code_cache: dict[tuple[str, str], bytes] = {}
 
 
-def _harness_code(python: str) -> bytes:
-  """The harness compiled by `python` (our own trusted source), cached."""
+def _compiled(python: str, path: str) -> bytes:
+  """Our own trusted source at `path`, compiled by `python`, cached."""
   with _lock:
-    code = _code_cache.get(python)
+    code = _code_cache.get((python, path))
   if code is None:
-    with open(_HARNESS, 'rb') as f:
+    with open(path, 'rb') as f:
       source = f.read()
-    proc = subprocess.run([python, '-I', '-S', '-c', _COMPILE % _HARNESS],
+    proc = subprocess.run([python, '-I', '-S', '-c', _COMPILE % path],
                           input=source, capture_output=True, check=False)
     if proc.returncode:
-      raise SandboxUnavailable(f'{python} cannot compile the harness: '
+      raise SandboxUnavailable(f'{python} cannot compile {path}: '
                                f'{proc.stderr.decode(errors="replace")}')
     code = proc.stdout
     with _lock:
-      _code_cache[python] = code
+      _code_cache[(python, path)] = code
   return code
 
 
 def _parse(stdout: bytes, stderr: bytes, returncode: int,
-           job: dict[str, Any]) -> list[Result]:
+           job: dict[str, Any], expected: list[bytes | None]) -> list[Result]:
+  """The harness's frames -> Results; stdin/stdout tests are judged here."""
   results: list[Result | None] = [None] * len(job['tests'])
   done, pos = False, 0
   while pos + 4 <= len(stdout):
@@ -394,11 +461,17 @@ def _parse(stdout: bytes, stderr: bytes, returncode: int,
     pos += 4 + size
     if not isinstance(frame, tuple) or frame[0] != job['token']:
       raise SandboxError('corrupted result channel')
-    _, k, status, detail, seconds, output = frame
+    _, k, status, detail, seconds, output, digest = frame
     if k == -1:
       done = True
-    else:
-      results[k] = Result(status, detail, seconds, output)
+      continue
+    io = job['tests'][k][0] == 'io'
+    if status == 'done' and io:
+      status = OK if digest == expected[k] else WRONG_ANSWER
+    elif status not in STATUSES or status == INVALID_TEST or (
+        status == OK and io):
+      raise SandboxError(f'the harness reported {status!r} for test {k}')
+    results[k] = Result(status, detail, seconds, output)
   if not done or any(r is None for r in results):
     tail = stderr.decode('utf-8', 'replace').strip()[-2000:]
     raise SandboxError(f'the sandbox failed (exit {returncode}): {tail}')

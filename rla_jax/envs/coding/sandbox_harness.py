@@ -1,31 +1,33 @@
-"""Runs inside the sandbox: one program against all of its tests.
+"""Runs inside the sandbox: supervises the processes that run one program.
 
-Started by sandbox.py as `python3 -I -S -c <this file's source>`, normally as
-PID 1 of the sandbox's PID namespace (bwrap --as-pid-1), so signals from the
-program cannot kill it and every orphan is reaped here. Standard library
-only, no imports that cost start-up time (no json, re or hashlib).
+Started by sandbox.py as `python3 -I -S -c <boot>` (this file's code object
+on stdin), normally as PID 1 of the sandbox's PID namespace (bwrap
+--as-pid-1), so signals from the program cannot kill it and every orphan is
+reaped here. Standard library only, no imports that cost start-up time (no
+json, re or hashlib).
 
 Protocol. stdin: a 4-byte big-endian length, then a marshal'd job dict
-(see sandbox._job). stdout: length-prefixed marshal'd frames, each a tuple
-starting with the job's token: (token, k, status, detail, seconds, output)
-per test, then (token, -1, 'done', ...).
+(sandbox._execute: the program, the tests' kinds and inputs, the runner's
+compiled code, limits, a token; never an expected output). stdout:
+length-prefixed marshal'd frames, each a tuple starting with the job's
+token: (token, k, status, detail, seconds, output, digest) per test, then
+(token, -1, 'done', ...). For stdin/stdout tests the status is 'done' and
+`digest` hashes the whitespace-collapsed stdout: the host compares it with
+the expected output's hash, which never enters the sandbox.
 
-Trust. The program runs in a forked worker that holds neither stdout nor
-stdin of this process, cannot ptrace it or open its /proc fds (it is made
-non-dumpable), and never sees an expected output: stdin/stdout tests are
-judged here, by comparing the hash of the worker's whitespace-normalised
-stdout with the host's hash of the expected one. So a program can only pass
-such a test by printing the right answer. Assert-style checks pass when the
-worker reports that the check returned; a program that forges that report
-(by finding the worker's event fd) is beyond what this design stops.
+Trust. Every process that runs model code is a fresh interpreter
+(sandbox_runner.py, exec'd): it holds the program and the input of its
+test, not the job. It holds neither stdout nor stdin of this process and
+cannot trace this process or open its /proc fds (this process is
+non-dumpable). Its events are plain text, parsed here without unmarshalling.
+An assert-style check runs in a second, non-dumpable runner that calls the
+program's functions through plain values (sandbox_runner.py); only that
+runner's event makes a check pass.
 """
 
 import _signal as signal  # the `signal` module imports enum (~3 ms)
-import builtins
-import io
 import marshal
 import os
-import resource
 import select
 import sys
 import time
@@ -38,22 +40,31 @@ except ImportError:
   except ImportError:
     from hashlib import sha256
 
-_EV_FD = 3  # worker -> harness: length-prefixed marshal'd events
-_OUT_FD = 4  # the worker's private copy of its stdout pipe
-# harness -> worker: one byte per judged test. The worker starts test k + 1
-# only then, so everything in the stdout pipe at event k belongs to test k.
-_ACK_FD = 5
 _POLL_S = 0.05  # CPU-time checks while a test runs
-_READY_S = 10.0  # worker set-up; longer means the machine is broken
+_READY_S = 10.0  # a runner's start-up; longer means the machine is broken
 _MAX_EVENT = 1 << 16
 _DETAIL = 300  # characters of an error message kept
+_SEP = '\x1f'
 _SIGNALS = {signal.SIGXCPU: 'timeout', signal.SIGXFSZ: 'output_limit'}
 _SIGNAL_NAMES = {getattr(signal, n): n for n in (
     'SIGABRT', 'SIGBUS', 'SIGFPE', 'SIGILL', 'SIGKILL', 'SIGSEGV', 'SIGTERM',
     'SIGXCPU', 'SIGXFSZ', 'SIGINT', 'SIGHUP', 'SIGPIPE', 'SIGUSR1', 'SIGUSR2',
     'SIGALRM', 'SIGSYS', 'SIGTRAP', 'SIGQUIT')}
-# What a worker may report; only 'done' can become a pass, after judging.
+# What a runner may report about a test; only a checking runner's 'done'
+# is a pass, and an io runner's 'done' means "compare the output".
 _REPORTED = ('done', 'error', 'memory', 'output_limit', 'wrong_answer')
+# A runner's `-c` program: the runner's code object arrives on fd 5 (its
+# command pipe), ahead of its job.
+_RUNNER_BOOT = ('import marshal,os\n'
+                'def r(n):\n'
+                ' b=b""\n'
+                ' while len(b)<n:\n'
+                '  c=os.read(5,n-len(b))\n'
+                '  if not c:raise EOFError\n'
+                '  b+=c\n'
+                ' return b\n'
+                'exec(marshal.loads(r(int.from_bytes(r(4),"big"))),'
+                '{"__name__":"__main__"})\n')
 
 
 class HarnessError(Exception):
@@ -87,14 +98,6 @@ def digest(data):
   return sha256(b' '.join(data.split())).digest()
 
 
-def _describe(exc):
-  try:
-    text = f'{type(exc).__name__}: {exc}'
-  except BaseException:  # pylint: disable=broad-except
-    text = type(exc).__name__
-  return text[:_DETAIL]
-
-
 def _prctl():
   """libc's prctl through _ctypes alone (the ctypes package costs ~1 ms)."""
   import _ctypes  # pylint: disable=g-import-not-at-top
@@ -113,7 +116,7 @@ def _prctl():
 
 
 def _nondumpable():
-  """Keeps the worker from ptrace-ing us or opening /proc/1/fd (same uid)."""
+  """Keeps the runners from ptrace-ing us or opening /proc/1/fd (same uid)."""
   try:
     prctl = _prctl()
   except Exception:  # pylint: disable=broad-except
@@ -121,127 +124,6 @@ def _nondumpable():
     prctl = ctypes.CDLL(None).prctl
   if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
     raise HarnessError('prctl(PR_SET_DUMPABLE, 0) failed')
-
-
-def _limit(which, value):
-  hard = resource.getrlimit(which)[1]
-  if hard != resource.RLIM_INFINITY:
-    value = min(value, hard)  # raising a hard limit needs privileges
-  resource.setrlimit(which, (value, value))
-
-
-# The worker: a fork of the harness that runs the program, test after test.
-
-
-def _worker_setup(job, pipes, pid1):
-  """Fds 0-2 private, pipes on 3-5, rlimits."""
-  top = max(pipes) + 1  # above every pipe, so no dup2 overwrites another
-  ev, out, ack = (os.dup2(fd, top + i) for i, fd in enumerate(pipes))
-  devnull = os.open('/dev/null', os.O_RDWR)
-  for src, dst in ((ev, _EV_FD), (out, _OUT_FD), (ack, _ACK_FD), (out, 1),
-                   (devnull, 0), (devnull, 2)):
-    os.dup2(src, dst)
-  os.closerange(_ACK_FD + 1, 1 << 20)  # our stdin/stdout, older pipes, ...
-  if not pid1:
-    os.setsid()  # unsandboxed: the process group is what gets killed
-  lim = job['limits']
-  mb = 1 << 20
-  _limit(resource.RLIMIT_AS, lim['memory_mb'] * mb)
-  _limit(resource.RLIMIT_STACK, min(lim['stack_mb'], lim['memory_mb']) * mb)
-  _limit(resource.RLIMIT_FSIZE, lim['file_bytes'])
-  _limit(resource.RLIMIT_NOFILE, lim['open_files'])
-  _limit(resource.RLIMIT_CORE, 0)
-  _limit(resource.RLIMIT_CPU, lim['cpu_total_s'])
-  if pid1:  # per user (namespace); outside a sandbox it would count ours too
-    _limit(resource.RLIMIT_NPROC, lim['processes'])
-  builtins.exit = builtins.quit = sys.exit  # `-S` skips site, which adds them
-  sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-      io.open(2, 'wb', closefd=False), encoding='utf-8', errors='replace')
-
-
-def _join_threads():
-  """Waits for the program's threads, as interpreter shutdown would."""
-  threading = sys.modules.get('threading')
-  if threading is None:
-    return
-  for t in threading.enumerate():
-    if t is not threading.main_thread() and not t.daemon:
-      t.join()
-
-
-def _run_test(code, kind, payload, checks, recursion):
-  """(status, detail) of one test; 'done' means judged by the harness."""
-  data = payload.encode('utf-8', 'surrogateescape') if kind == 'io' else b''
-  fd = os.memfd_create('stdin')
-  _write_all(fd, data)
-  os.lseek(fd, 0, os.SEEK_SET)
-  os.dup2(fd, 0)
-  os.close(fd)
-  os.dup2(_OUT_FD, 1)  # the program may have closed or replaced fd 1
-  sys.stdin = sys.__stdin__ = io.TextIOWrapper(
-      io.open(0, 'rb', closefd=False), encoding='utf-8', errors='replace')
-  out = sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-      io.open(1, 'wb', closefd=False), encoding='utf-8',
-      errors='surrogateescape')
-  sys.setrecursionlimit(recursion)
-  scope = {'__name__': '__main__', '__builtins__': builtins}
-  try:
-    exec(code, scope)  # pylint: disable=exec-used
-    if kind == 'check':
-      exec(checks[payload], scope)  # pylint: disable=exec-used
-    _join_threads()
-    result = ('done', '')
-  except SystemExit as e:
-    clean = e.code is None or e.code == 0
-    result = ('done', '') if clean and kind == 'io' else (
-        'error', f'SystemExit({e.code!r})'[:_DETAIL])
-  except MemoryError:
-    result = ('memory', 'MemoryError')
-  except AssertionError as e:
-    result = ('wrong_answer' if kind == 'check' else 'error', _describe(e))
-  except BaseException as e:  # pylint: disable=broad-except
-    too_big = isinstance(e, OSError) and e.errno == 27  # EFBIG
-    result = ('output_limit' if too_big else 'error', _describe(e))
-  try:
-    out.flush()  # ours, even if the program replaced sys.stdout
-  except BaseException:  # pylint: disable=broad-except
-    pass
-  return result
-
-
-def _worker(job, start, pipes, pid1):
-  """Runs tests start.. and reports each on fd 3; never returns."""
-  try:
-    _worker_setup(job, pipes, pid1)
-    _write_all(_EV_FD, _frame('ready'))
-  except BaseException:  # pylint: disable=broad-except
-    os._exit(70)  # before 'ready': the harness reports its own failure
-  try:
-    recursion = sys.getrecursionlimit()
-    try:
-      code = compile(job['program'], '<program>', 'exec')
-      failure = None
-    except BaseException as e:  # pylint: disable=broad-except
-      code, failure = None, ('error', _describe(e))
-    checks = {}
-    for k in range(start, len(job['tests'])):
-      kind, payload = job['tests'][k]
-      result = failure
-      if kind == 'check' and payload not in checks and failure is None:
-        try:
-          checks[payload] = compile(payload, '<check>', 'exec')
-        except BaseException as e:  # pylint: disable=broad-except
-          result = ('error', 'the check does not compile: ' + _describe(e))
-      result = result or _run_test(code, kind, payload, checks, recursion)
-      _write_all(_EV_FD, _frame((k, result[0], result[1])))
-      if k + 1 < len(job['tests']) and not os.read(_ACK_FD, 1):
-        break  # the harness is gone
-  except BaseException:  # pylint: disable=broad-except
-    pass  # e.g. the program closed fd 3; the harness sees an early exit
-  os._exit(0)
-
-
-# The harness: supervises workers, judges outputs, reports to the host.
 
 
 def _cpu_s(pid, tick):
@@ -253,138 +135,243 @@ def _cpu_s(pid, tick):
     return 0.0
 
 
+def _parse_event(data):
+  """(k, status, detail) of a runner's event, or None when malformed."""
+  try:
+    k, status, detail = data.decode('utf-8').split(_SEP)
+    return int(k), status, detail[:_DETAIL]
+  except ValueError:
+    return None
+
+
+class _Runner:
+  """One exec'd sandbox_runner.py process and the harness's ends of its
+  pipes."""
+
+  def __init__(self, harness, mode, fds, job):
+    self.events = bytearray()
+    ev_r, ev_w = os.pipe()
+    cmd_r, cmd_w = os.pipe()
+    self.ev, self.cmd = ev_r, cmd_w
+    fds = {3: ev_w, 5: cmd_r, **fds}
+    self.pid = os.fork()
+    if self.pid == 0:
+      harness.exec_runner(mode, fds)
+    for fd in (ev_w, cmd_r):
+      os.close(fd)
+    self.pidfd = os.pidfd_open(self.pid)
+    os.set_blocking(ev_r, False)
+    code = harness.job['runner']
+    try:
+      _write_all(cmd_w, len(code).to_bytes(4, 'big') + code)
+    except BrokenPipeError:
+      pass  # it died; its pidfd says so
+    self.send(job)
+
+  def send(self, obj):
+    try:
+      _write_all(self.cmd, _frame(obj))
+    except BrokenPipeError:
+      pass  # it died; its pidfd says so
+
+  def read_events(self):
+    """Complete events at the front of the buffer; None for a bad one."""
+    out = []
+    while True:
+      try:
+        chunk = os.read(self.ev, 1 << 16)
+      except BlockingIOError:
+        break
+      if not chunk:
+        break
+      self.events += chunk
+      if len(self.events) > 4 * _MAX_EVENT:
+        break
+    while len(self.events) >= 4:
+      size = int.from_bytes(self.events[:4], 'big')
+      if size > _MAX_EVENT:
+        self.events.clear()
+        out.append(None)
+        break
+      if len(self.events) < 4 + size:
+        break
+      out.append(_parse_event(bytes(self.events[4:4 + size])))
+      del self.events[:4 + size]
+    return out
+
+  def close(self):
+    for fd in (self.ev, self.cmd, self.pidfd):
+      os.close(fd)
+
+
 class Harness:
-  """Runs the job's tests in as few workers as the program allows."""
+  """Runs the job's tests: stdin/stdout tests in as few runners as the
+  program allows, each check in a serving and a checking runner."""
 
   def __init__(self, job):
     self.job = job
     self.tests = job['tests']
-    self.lim = job['limits']
+    self.lim = dict(job['limits'], pid1=os.getpid() == 1)
     self.cap = self.lim['output_mb'] << 20
-    self.pid1 = os.getpid() == 1
+    self.pid1 = self.lim['pid1']
     self.tick = os.sysconf('SC_CLK_TCK')
+    self.cpu_limit = job['time_limit_s']
+    self.wall_limit = (self.cpu_limit * self.lim['wall_factor'] +
+                       self.lim['wall_extra_s'])
 
-  def emit(self, k, status, detail, seconds, output=b''):
+  def exec_runner(self, mode, fds):
+    """In a forked child: fds in place, everything else closed, then exec
+    a fresh interpreter on the runner; never returns."""
+    try:
+      top = max(max(fds), max(fds.values())) + 1
+      held = {target: os.dup2(src, top + i)
+              for i, (target, src) in enumerate(sorted(fds.items()))}
+      devnull = os.open('/dev/null', os.O_RDWR)
+      for fd in range(8):
+        os.dup2(held.get(fd, devnull), fd)
+      os.closerange(8, 1 << 20)
+      for fd in range(3, 8):
+        if fd not in fds:
+          os.close(fd)
+      if not self.pid1:
+        os.setsid()  # unsandboxed: the process group is what gets killed
+      python = sys.executable
+      os.execv(python, [python, '-I', '-S', '-c', _RUNNER_BOOT, mode])
+    except BaseException:  # pylint: disable=broad-except
+      pass
+    os._exit(70)
+
+  def emit(self, k, status, detail, seconds, output=b'', out_digest=b''):
     preview = bytes(output[:self.lim['keep_output']]).decode('utf-8',
                                                              'replace')
     _write_all(1, _frame((self.job['token'], k, status, detail,
-                          round(seconds, 4), preview)))
+                          round(seconds, 4), preview, out_digest)))
 
   def run(self):
     k = 0
     while k < len(self.tests):
-      k = self.supervise(k)
-    _write_all(1, _frame((self.job['token'], -1, 'done', '', 0.0, '')))
+      k = self.check(k) if self.tests[k][0] == 'check' else self.io(k)
+    _write_all(1, _frame((self.job['token'], -1, 'done', '', 0.0, '', b'')))
 
-  def supervise(self, start):
-    """One worker from test `start`; returns the next test to run."""
-    ev_r, ev_w = os.pipe()
+  def job_for_runner(self, **extra):
+    return dict(limits=self.lim, **extra)
+
+  def _wait_ready(self, runner, more):
+    """Blocks until `runner` reports ready; False if it died first."""
+    deadline = time.monotonic() + _READY_S
+    while True:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise HarnessError('a runner did not start')
+      readable = select.select([runner.ev, runner.pidfd], [], [], left)[0]
+      events = runner.read_events()
+      ready = [i for i, e in enumerate(events) if e and e[1] == 'ready']
+      if ready:
+        more.extend(events[ready[0] + 1:])
+        return True
+      if events or runner.pidfd in readable:
+        return False  # anything before 'ready' is a broken start
+
+  # stdin/stdout tests.
+
+  def io(self, k):
+    """One runner from test k on, while the tests are stdin/stdout ones;
+    returns the next test to run."""
     out_r, out_w = os.pipe()
-    ack_r, ack_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-      _worker(self.job, start, (ev_w, out_w, ack_r), self.pid1)
-    for fd in (ev_w, out_w, ack_r):
-      os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    for fd in (ev_r, out_r):
-      os.set_blocking(fd, False)
+    runner = _Runner(self, 'io', {1: out_w, 4: out_w},
+                     self.job_for_runner(program=self.job['program']))
+    os.close(out_w)
+    os.set_blocking(out_r, False)
     try:
-      return self._watch(start, pid, pidfd, ev_r, out_r, ack_w)
+      if not self._wait_ready(runner, []):
+        status = self.kill_all([runner.pid])[runner.pid]
+        raise HarnessError(f'a runner failed to start (status {status})')
+      return self._watch_io(k, runner, out_r)
     finally:
-      for fd in (pidfd, ev_r, out_r, ack_w):
-        os.close(fd)
+      os.close(out_r)
+      runner.close()
 
-  def _watch(self, k, pid, pidfd, ev_r, out_r, ack_w):
-    """Judges the worker's tests until it ends, dies or breaks a limit."""
-    cpu_limit = self.job['time_limit_s']
-    wall_limit = cpu_limit * self.lim['wall_factor'] + self.lim['wall_extra_s']
-    watched = [ev_r, out_r, pidfd]
-    events, output = bytearray(), bytearray()
-    ready, verdict = False, None
+  def _watch_io(self, k, runner, out_r):
+    watched = [runner.ev, out_r, runner.pidfd]
+    output = bytearray()
+    runner.send((k, self._input(k)))
     t0 = checked = time.monotonic()
-    cpu0 = None  # worker CPU seconds at the start of the test, if read
-    while verdict is None and k < len(self.tests):
-      deadline = t0 + (wall_limit if ready else _READY_S)
+    cpu0, verdict = None, None
+    while verdict is None:
       now = time.monotonic()
-      readable = select.select(watched, [], [],
-                               max(0.0, min(deadline - now, _POLL_S)))[0]
+      readable = select.select(
+          watched, [], [], max(0.0, min(t0 + self.wall_limit - now,
+                                        _POLL_S)))[0]
       if out_r in readable:
         self._drain(out_r, output, watched)
-      if ev_r in readable:
-        self._drain(ev_r, events, watched)
-      for event in self._events(events):
-        if event == 'ready' and not ready:
-          ready, t0 = True, time.monotonic()
-          continue
-        if not (ready and isinstance(event, tuple) and len(event) == 3 and
-                event[0] == k and event[1] in _REPORTED):
+      for event in runner.read_events():
+        if not (event and event[0] == k and event[1] in _REPORTED):
           verdict = ('error', 'the program corrupted the result channel')
           break
         self._drain(out_r, output, watched)  # written before the event
         if len(output) > self.cap:
           break
         now = time.monotonic()
-        self.emit(k, *self.judge(k, event[1], str(event[2]), output),
-                  now - t0, output)
+        status, detail, out_digest = self._judged(event[1], event[2], output)
+        self.emit(k, status, detail, now - t0, output, out_digest)
         k += 1
         output.clear()
-        if k == len(self.tests):
+        if k == len(self.tests) or self.tests[k][0] != 'io':
+          verdict = 'next'
           break
+        runner.send((k, self._input(k)))
         t0 = checked = now
         cpu0 = None
-        try:
-          os.write(ack_w, b'.')
-        except BrokenPipeError:
-          pass  # it died; its pidfd says so next
+      if verdict is not None:
+        break
       if len(output) > self.cap:
         verdict = ('output_limit', f'stdout over {self.lim["output_mb"]} MB')
-      if verdict is not None or k == len(self.tests):
         break
-      if pidfd in readable:
+      if runner.pidfd in readable:
         verdict = 'exited'
         break
       now = time.monotonic()
-      if now >= deadline:
-        if not ready:
-          raise HarnessError('the worker did not start')
-        verdict = ('timeout', f'over {wall_limit:g} s of wall-clock time')
-      elif ready and now - checked >= _POLL_S:
-        checked, cpu = now, _cpu_s(pid, self.tick)
+      if now >= t0 + self.wall_limit:
+        verdict = ('timeout', f'over {self.wall_limit:g} s of wall-clock time')
+      elif now - checked >= _POLL_S:
+        checked, cpu = now, _cpu_s(runner.pid, self.tick)
         if cpu0 is None:  # read lazily: most tests end before the first poll
           cpu0 = cpu - (now - t0)  # as if it had been busy (an upper bound)
-        if cpu - cpu0 > cpu_limit:
-          verdict = ('timeout', f'over {cpu_limit:g} s of CPU time')
+        if cpu - cpu0 > self.cpu_limit:
+          verdict = ('timeout', f'over {self.cpu_limit:g} s of CPU time')
     elapsed = time.monotonic() - t0
     if verdict == 'exited':  # what it wrote before dying still counts
       self._drain(out_r, output, watched)
-    status = self.kill_all(pid)
-    if k == len(self.tests):
+    status = self.kill_all([runner.pid])[runner.pid]
+    if verdict == 'next':
       return k
     if verdict == 'exited':
-      if not ready:
-        raise HarnessError(f'the worker failed to start (status {status})')
-      verdict = self._death(k, status, output)
+      verdict = self._death(status, output)
     if len(output) > self.cap:
       verdict = ('output_limit', f'stdout over {self.lim["output_mb"]} MB')
-    self.emit(k, *verdict, elapsed, output)
+    status, detail, out_digest = self._judged(*verdict, output)
+    self.emit(k, status, detail, elapsed, output, out_digest)
     return k + 1
 
-  def judge(self, k, status, detail, output):
-    """Final (status, detail) of test k from the worker's report."""
-    kind = self.tests[k][0]
-    if status != 'done':
-      if status == 'wrong_answer' and kind != 'check':
-        status = 'error'  # only a failed assert is a wrong answer here
-      return status, detail
-    if kind == 'check':
-      return 'ok', ''
-    if digest(bytes(output)) == self.job['expected'][k]:
-      return 'ok', ''
-    return 'wrong_answer', ''
+  def _input(self, k):
+    text = self.tests[k][1]
+    try:
+      return text.encode('utf-8', 'surrogateescape')
+    except UnicodeEncodeError:  # a lone surrogate, as sandbox.utf8
+      return text.encode('utf-8', 'surrogatepass')
 
-  def _death(self, k, status, output):
-    """Verdict on test k when the worker died during it."""
+  def _judged(self, status, detail, output):
+    """(status, detail, digest) of an io test; 'done' goes to the host with
+    the output's digest, which it compares."""
+    if status == 'done':
+      return 'done', '', digest(bytes(output))
+    if status == 'wrong_answer':
+      status = 'error'  # only the host says an output is wrong
+    return status, detail, b''
+
+  def _death(self, status, output):
+    """Verdict on the running test when its runner died during it."""
+    del output
     if status is None:
       return 'error', 'the program exited'
     if os.WIFSIGNALED(status):
@@ -396,46 +383,112 @@ class Harness:
         return 'error', 'killed by SIGSEGV (stack overflow?)'
       return 'error', f'killed by {name}'
     code = os.WEXITSTATUS(status)
-    if code == 0 and self.tests[k][0] == 'io':  # os._exit(0) after printing
-      return self.judge(k, 'done', '', output)
+    if code == 0:  # os._exit(0) after printing: compare what it printed
+      return 'done', ''
     return 'error', f'exited with code {code} during the test'
 
-  def kill_all(self, pid):
-    """Kills every process but us, reaps them; the worker's wait status."""
-    status = None
+  # Assert-style checks.
+
+  def check(self, k):
+    """Test k, a check, in a checking and a serving runner; returns k + 1."""
+    req_r, req_w = os.pipe()  # check -> program
+    ans_r, ans_w = os.pipe()  # program -> check
+    out_r, out_w = os.pipe()
+    checker = _Runner(self, 'check', {6: ans_r, 7: req_w},
+                      self.job_for_runner(check=self.tests[k][1]))
+    os.close(req_w)
+    os.close(ans_r)
+    server, verdict, early = None, None, []
+    t0 = time.monotonic()
+    try:
+      # The checker is non-dumpable before the program starts beside it.
+      if not self._wait_ready(checker, early):
+        verdict = ('error', 'the check failed to start')
+      else:
+        server = _Runner(self, 'serve', {1: out_w, 6: req_r, 7: ans_w},
+                         self.job_for_runner(program=self.job['program']))
+      for fd in (req_r, ans_w, out_w):
+        os.close(fd)
+      os.set_blocking(out_r, False)
+      t0 = time.monotonic()
+      if verdict is None:
+        verdict = self._watch_check(checker, server, out_r, early)
+      elapsed = time.monotonic() - t0
+      self.kill_all([checker.pid] + ([server.pid] if server else []))
+    finally:
+      os.close(out_r)
+      checker.close()
+      if server:
+        server.close()
+    self.emit(k, *verdict, elapsed)
+    return k + 1
+
+  def _watch_check(self, checker, server, out_r, early):
+    """The checking runner's verdict, or a limit's."""
+    watched = [checker.ev, server.ev, out_r, checker.pidfd, server.pidfd]
+    sink, program_failure = bytearray(), None
+    t0 = checked = time.monotonic()
+    cpu0 = None
+    while True:
+      now = time.monotonic()
+      readable = select.select(
+          watched, [], [], max(0.0, min(t0 + self.wall_limit - now,
+                                        _POLL_S)))[0]
+      if out_r in readable:
+        self._drain(out_r, sink, watched)
+        del sink[:]  # a check's verdict does not read the program's output
+      for event in server.read_events():
+        if event and event[1] in _REPORTED and event[1] != 'done':
+          program_failure = event[1:]  # it can only make the test fail
+      for event in early + checker.read_events():
+        if event is None or event[0] != 0 or event[1] not in _REPORTED:
+          return 'error', 'the check corrupted its result channel'
+        status, detail = event[1:]
+        if status == 'done':
+          return 'ok', ''
+        if program_failure and status == 'error':
+          return program_failure
+        return status, detail
+      early = []
+      if checker.pidfd in readable:
+        return program_failure or ('error', 'the check ended without a '
+                                   'verdict')
+      if server.pidfd in readable and server.pidfd in watched:
+        watched.remove(server.pidfd)  # the checker sees the channel close
+      now = time.monotonic()
+      if now >= t0 + self.wall_limit:
+        return 'timeout', f'over {self.wall_limit:g} s of wall-clock time'
+      if now - checked >= _POLL_S:
+        checked = now
+        cpu = _cpu_s(server.pid, self.tick) + _cpu_s(checker.pid, self.tick)
+        if cpu0 is None:
+          cpu0 = cpu - 2 * (now - t0)  # an upper bound of the time so far
+        if cpu - cpu0 > self.cpu_limit:
+          return 'timeout', f'over {self.cpu_limit:g} s of CPU time'
+
+  def kill_all(self, pids):
+    """Kills every runner and what it started, reaps them; pid -> status."""
+    statuses = dict.fromkeys(pids)
+    pending = set(pids)
     while True:
       try:
         if self.pid1:
           os.kill(-1, signal.SIGKILL)  # the whole namespace except PID 1
         else:
-          os.killpg(pid, signal.SIGKILL)
+          for pid in pending:
+            os.killpg(pid, signal.SIGKILL)
       except OSError:
         pass
       try:
-        done, st = os.waitpid(-1 if self.pid1 else pid, 0)
-      except ChildProcessError:
-        return status
-      if done == pid:
-        status = st
-        if not self.pid1:
-          return status
-
-  def _events(self, events):
-    """Complete events at the front of `events` (removed from it)."""
-    while len(events) >= 4:
-      size = int.from_bytes(events[:4], 'big')
-      if size > _MAX_EVENT:
-        events.clear()
-        yield None
-        return
-      if len(events) < 4 + size:
-        return
-      try:
-        event = marshal.loads(bytes(events[4:4 + size]))
-      except (EOFError, ValueError, TypeError):
-        event = None
-      del events[:4 + size]
-      yield event
+        done, status = os.waitpid(-1 if self.pid1 else next(iter(pending)),
+                                  0)
+      except (ChildProcessError, StopIteration):
+        return statuses
+      if done in statuses:
+        statuses[done] = status
+        pending.discard(done)
+        if not pending and not self.pid1:
+          return statuses
 
   def _drain(self, fd, buf, watched):
     """Appends what `fd` holds (up to just over the output cap) to `buf`."""
