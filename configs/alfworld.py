@@ -79,6 +79,9 @@ def env_section() -> ml_collections.ConfigDict:
       judge_prefix='',  # pre-fills the RM's answer
       max_critiques=8,  # failure summaries in a rewrite prompt (one per
                         # failed rollout of 8)
+      max_damaged_frac=0.02,  # data_dir: damaged trials (files that do not
+                              # read) are reported and skipped; a split
+                              # with more than this fraction is refused
   ))
 
 

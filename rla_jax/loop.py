@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import time
 
 import jax
@@ -284,7 +285,8 @@ def _evaluate(run: runtime.Run, epoch: int) -> dict[str, float]:
         prefix + 'accuracy': rollout.win_rate(ok),
         prefix + 'episodes': len(ok),
         prefix + 'errors': len(trajs) - len(ok),
-        prefix + 'prompt_cut_frac': rollout.cut_frac(s for t in ok for s in t.steps),
+        prefix + 'prompt_cut_frac': rollout.cut_frac(
+            s for t in ok for s in t.steps),
         **_env_metrics(run, trajs, prefix),
     })
     if config.eval.judge:
@@ -333,22 +335,32 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
 
   Returns the last epoch's scalars; on SIGTERM/SIGINT it checkpoints and
   returns early, printing `resume_command`. One run per workdir (a lock).
+  A workdir this call made is removed again when set-up fails (a bad data
+  file, a missing model), so nothing half-made is left behind.
   """
   runtime.validate(config)
+  runtime.check_paths(config)
   preemption.check_keys(config)
   distributed.check_devices(config.mesh)
-  if jax.process_index() == 0:
+  chief = jax.process_index() == 0
+  if chief:
     print(distributed.describe(), flush=True)
+  made = not os.path.exists(workdir)
   os.makedirs(workdir, exist_ok=True)
   with preemption.guard(workdir, config.loop.preempt_grace_s,
-                        chief=jax.process_index() == 0) as stopper:
+                        chief=chief) as stopper:
     if config.loop.compilation_cache_dir:
       # Restarts and later runs reuse compiled programs instead of recompiling.
       jax.config.update('jax_compilation_cache_dir',
                         os.path.expanduser(config.loop.compilation_cache_dir))
       jax.config.update('jax_persistent_cache_min_compile_time_secs',
                         config.loop.compilation_cache_min_s)
-    state = runtime.setup(config, workdir)
+    try:
+      state = runtime.setup(config, workdir)
+    except BaseException:
+      if made and chief:
+        shutil.rmtree(workdir, ignore_errors=True)
+      raise
     if state.chief:
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
         f.write(config.to_json_best_effort(indent=2))

@@ -3,11 +3,15 @@
 Config keys are overridable as flags (`--config.rollout.sampling.temperature=0.7`);
 `--config.loop.num_epochs=N` sets the total number of epochs, also when the
 run resumes from a checkpoint in DIR. SIGTERM or Ctrl-C stops it cleanly
-with a checkpoint (exit 0); the same command resumes. Errors a user can act
-on (workdir in use, no restorable checkpoint, a failed save, non-finite
-training) print one line and exit 1.
+with a checkpoint (exit 0); the same command resumes. A usage error (a
+--config that does not load, an override of a key the config lacks, a value
+that does not fit) prints one line naming the key and exits 2 before DIR is
+made; other errors a user can act on (workdir in use, no restorable
+checkpoint, a failed save, non-finite training) print one line and exit 1.
+`-v 0` adds the traceback to the log.
 """
 
+import importlib.util
 import os
 import re
 import shlex
@@ -57,6 +61,63 @@ def _size_cpu_thread_pool():
     os.environ.setdefault('NPROC', str(8 * int(match.group(1))))
 
 
+def _usage_error(message: str):
+  """Prints `message` as one line (a traceback in it reduced to its first
+  and last lines) and exits 2."""
+  lines = [line.strip() for line in message.splitlines() if line.strip()]
+  if len(lines) > 1:
+    lines = [lines[0].rstrip(':') + ':', lines[-1]]
+  print(f'error: {" ".join(lines)}', file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _load_config_file(spec: str):
+  """The ConfigDict that --config=`spec` names (path[:options])."""
+  path, _, options = spec.partition(':')
+  module_spec = importlib.util.spec_from_file_location('_config', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(options) if options else module.get_config()
+
+
+def _override_problem(argv) -> str | None:
+  """Which --config.<key>=... names a key the config lacks, if one does."""
+  specs = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
+  if not specs:
+    return None
+  try:
+    config = _load_config_file(specs[-1])
+  except Exception as e:  # pylint: disable=broad-except
+    return f'--config={specs[-1]} does not load: {type(e).__name__}: {e}'
+  for arg in argv:
+    if not arg.startswith('--config.'):
+      continue
+    key = arg[len('--config.'):].split('=', 1)[0]
+    node, walked = config, []
+    for part in key.split('.'):
+      if not hasattr(node, 'keys') or part not in node.keys():
+        where = '.'.join(['config', *walked])
+        known = ', '.join(sorted(node.keys())) if hasattr(node, 'keys') else ''
+        return (f'{arg}: {specs[-1]} has no key config.{key} ({where} has '
+                f'{known or "no keys"})')
+      node, walked = node[part], walked + [part]
+  return None
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with usage errors as one line and exit 2."""
+  try:
+    remaining = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # a config file that failed to load raises here
+    return remaining
+  except flags.Error as e:
+    _usage_error(str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    # config_flags raises AttributeError/KeyError/TypeError for overrides of
+    # keys the config lacks; name the flag instead of a traceback.
+    _usage_error(_override_problem(argv) or f'{type(e).__name__}: {e}')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -78,12 +139,17 @@ def main(argv):
   from rla_jax import checkpoint
   from rla_jax import loop
   from rla_jax import preemption
+  from rla_jax import runtime
   from rla_jax import train
+  from rla_jax.envs import base
   # pylint: enable=g-import-not-at-top
   command = shlex.join([sys.executable, '-m', 'rla_jax.main', *sys.argv[1:]])
   try:
     loop.run(_CONFIG.value, os.path.abspath(_WORKDIR.value),
              resume_command=command)
+  except (runtime.ConfigError, base.DataError) as e:
+    logging.info('%s', type(e).__name__, exc_info=True)  # shown with -v 0
+    _usage_error(str(e))
   except (preemption.LockedError, checkpoint.RestoreError,
           checkpoint.SaveError, checkpoint.ConfigMismatchError,
           train.NonFiniteLossError) as e:
@@ -94,4 +160,4 @@ def main(argv):
 
 if __name__ == '__main__':
   sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.base`
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 from concurrent import futures
 import os
 from typing import Any
@@ -71,12 +72,35 @@ def train_limits(config, name: str) -> tuple[int, int]:
           limits.max_response_len or sampled.max_new_tokens)
 
 
-def validate(config) -> None:
-  """Rejects inconsistent values with the config key that is wrong."""
+class ConfigError(ValueError):
+  """A config value the user must fix; the message names the key (main
+  prints it as one line and exits 2)."""
 
-  def check(ok: bool, key: str, why: str):
-    if not ok:
-      raise ValueError(f'config.{key}={lookup(config, key)!r}: {why}')
+
+def _check(config, ok: bool, key: str, why: str):
+  if not ok:
+    raise ConfigError(f'config.{key}={lookup(config, key)!r}: {why}')
+
+
+def check_paths(config) -> None:
+  """ConfigError for a model path that names nothing on this machine."""
+  for name in ('policy', 'reward_model', 'env_model'):
+    path = config[name].path
+    _check(config, not path or os.path.exists(path), f'{name}.path',
+           'no such model folder or .gguf file (set it with '
+           f'--config.{name}.path=...)')
+
+
+def validate(config) -> None:
+  """Rejects inconsistent values with the config key that is wrong.
+
+  Reads nothing but the config (check_paths looks at the files); runs
+  before anything is loaded or written, so a bad value leaves no workdir
+  behind.
+  """
+  check = functools.partial(_check, config)
+  check(importlib.util.find_spec(f'rla_jax.envs.{config.env.name}')
+        is not None, 'env.name', 'no setting of that name in rla_jax/envs/')
 
   check(config.loop.num_epochs >= 0, 'loop.num_epochs', 'must be >= 0')
   check(config.rollout.num_tasks >= 1, 'rollout.num_tasks', 'must be >= 1')
@@ -134,7 +158,7 @@ def make_env(config, workdir: str):
   try:
     module = importlib.import_module(f'rla_jax.envs.{config.env.name}')
   except ModuleNotFoundError as e:
-    raise ValueError(f'config.env.name={config.env.name!r}: no setting '
+    raise ConfigError(f'config.env.name={config.env.name!r}: no setting '
                      f'rla_jax/envs/{config.env.name}/ or '
                      f'rla_jax/envs/{config.env.name}.py ({e})') from e
   return module, module.from_config(config.env, workdir)

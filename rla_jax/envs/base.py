@@ -24,6 +24,12 @@ from typing import Any, Protocol
 GenerateFn = Callable[[Sequence[str]], list[str]]
 
 
+class DataError(ValueError):
+  """A user's data (a file, a folder, a task) is malformed; the message
+  names where (file and line, or file and key). main prints it as one line
+  and exits 2."""
+
+
 class RewriteRejected(Exception):
   """The environment could not turn the LLM's proposals into a valid task."""
 

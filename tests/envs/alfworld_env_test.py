@@ -11,6 +11,7 @@ import pytest
 from configs import alfworld as alfworld_config
 from rla_jax import structs
 from rla_jax import truncation
+from rla_jax.envs import base
 from rla_jax.envs.alfworld import environment as alfworld
 from rla_jax.envs.alfworld import games
 from rla_jax.envs.alfworld import play
@@ -302,3 +303,33 @@ def test_from_config(tmp_path):
                                               step_labels='none'))
   env = alfworld.from_config(env_config, 'x')
   assert env.game_dir == '/shared' and env.step_labels == 'none'
+
+
+def _official_copy(env, tmp_path):
+  data = tmp_path / 'alfworld_data'
+  shutil.copytree(os.path.join(env.game_dir, 'json_2.1.1', 'train'),
+                  data / 'json_2.1.1' / 'train')
+  trials = sorted((data / 'json_2.1.1' / 'train').glob('*/*'))
+  return data, trials
+
+
+def test_damaged_trials_are_reported_and_too_many_refuse_the_split(
+    env, tmp_path, caplog):
+  data, trials = _official_copy(env, tmp_path)
+  assert len(trials) == 6
+  # One damaged trial of 6: reported (named) and skipped.
+  (trials[0] / games.TRAJ_FILE).write_text('[1, 2]')
+  folder = alfworld.AlfWorldEnv(str(tmp_path / 'cache'), data_dir=str(data),
+                                max_damaged_frac=0.2)
+  with caplog.at_level('WARNING'):
+    assert len(folder.tasks('train')) == 5
+  name = os.path.relpath(trials[0], data / 'json_2.1.1')
+  assert f'1 of 6 trials of train are damaged and skipped: {name} ' \
+         f'(traj_data.json is not a JSON object)' in caplog.text
+  # A truncated game file is damaged too; 2 of 6 is over the limit.
+  text = (trials[1] / games.GAME_FILE).read_text()
+  (trials[1] / games.GAME_FILE).write_text(text[:len(text) // 2])
+  with pytest.raises(base.DataError, match=(
+      r'2 of 6 trials of train are damaged, more than '
+      r'env.max_damaged_frac=0.2: .*JSONDecodeError')):
+    folder.tasks('train')

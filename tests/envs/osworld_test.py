@@ -65,6 +65,33 @@ def test_bad_task_file_names_the_file(tmp_path):
     osworld.load_tasks(str(tmp_path))
 
 
+@pytest.mark.parametrize('change, message', [
+    (lambda s: s.update(config=['xterm']),
+     r'config\[0\]: a step is an object with "type" one of'),
+    (lambda s: s.update(config={'type': 'sleep'}), r'"config" is a list'),
+    (lambda s: s['config'].append({'type': 'launch', 'parameters': {}}),
+     r'config\[\d\]: launch needs a "command" \(a string or a list of '
+     r'strings\); got None'),
+    (lambda s: s['config'].append({'type': 'sleep',
+                                   'parameters': {'seconds': 'two'}}),
+     r'config\[\d\]: "seconds" is a number in \[0, 600\]; got \'two\''),
+    (lambda s: s['config'].append({'type': 'execute', 'parameters': {
+        'command': 'ls', 'shell': 'yes'}}),
+     r'config\[\d\]: "shell" is true or false'),
+    (lambda s: s['evaluators'].update(moved={'func': 'file_exists',
+                                             'path': 3, 'exists': True}),
+     r'evaluators\.moved: evaluator \'file_exists\': "path" must be str; '
+     r'got 3'),
+])
+def test_a_bad_task_step_is_named_at_load_time(tmp_path, change, message):
+  spec = [t for t in osworld.load_tasks(osworld.TASK_DIR)
+          if t['id'] == 'xterm-rename-file'][0]
+  change(spec)
+  (tmp_path / 'broken.json').write_text(json.dumps(spec))
+  with pytest.raises(base.DataError, match=r'broken\.json: ' + message):
+    osworld.load_tasks(str(tmp_path))
+
+
 @pytest.mark.parametrize('response, reason', [
     ('no call at all', 'no <tool_call>'),
     ('<tool_call>{"name": computer_use}</tool_call>', 'not JSON'),

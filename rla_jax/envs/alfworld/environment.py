@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -63,7 +64,8 @@ class AlfWorldEnv:
                max_receptacles: int = 0, heldout_objects: Sequence[str] = (),
                step_labels: str = 'planner', on_unparseable: str = 'first',
                max_history: int | None = None, answer_prefix: str = '',
-               judge_prefix: str = '', max_critiques: int = 8):
+               judge_prefix: str = '', max_critiques: int = 8,
+               max_damaged_frac: float = 0.02):
     """Args (config keys of the ALFWorld setting, configs/alfworld.py).
 
       game_dir: cache of generated games and rewrites (official layout).
@@ -81,6 +83,9 @@ class AlfWorldEnv:
         authors).
       answer_prefix, judge_prefix: pre-fill the policy's / RM's answer.
       max_critiques: failure summaries shown in a rewrite prompt.
+      max_damaged_frac: a data_dir split with a larger fraction of damaged
+        trials (files that do not read) is refused; fewer are reported and
+        skipped.
     """
     if on_unparseable not in prompts.ON_UNPARSEABLE:
       raise ValueError(f'on_unparseable={on_unparseable!r}: one of '
@@ -98,6 +103,8 @@ class AlfWorldEnv:
     self.max_history = max_history
     self.answer_prefix, self.judge_prefix = answer_prefix, judge_prefix
     self.max_critiques = max_critiques
+    self.max_damaged_frac = max_damaged_frac
+    self._reported: set[str] = set()  # splits whose damage was reported
     self._lock = threading.Lock()
     self._games: dict[str, dict[str, Any]] = {}  # built game files
     self._infos: dict[str, dict[str, Any]] = {}  # cheap facts (difficulty)
@@ -111,7 +118,7 @@ class AlfWorldEnv:
       raise ValueError(f'unknown split {split!r}; choose from {games.SPLITS}')
     count = self.num_train if split == 'train' else self.num_eval
     if self.data_dir:
-      trials = games.find_trials(self.data_dir, split)
+      trials = self._trials(split)
       trials = trials[:count] if count else trials
       return [{'id': t, 'root_id': t, 'game': {'trial': t}} for t in trials]
     rng = np.random.default_rng([self.seed, games.SPLITS.index(split)])
@@ -122,6 +129,25 @@ class AlfWorldEnv:
       spec_id = f'alfworld-{split}-{i:04d}'
       specs.append({'id': spec_id, 'root_id': spec_id, 'game': params})
     return specs
+
+  def _trials(self, split: str) -> list[str]:
+    """The split's readable trials; damaged ones are reported, and too many
+    refuse the split (base.DataError naming them)."""
+    trials, damaged = games.find_trials(self.data_dir, split)
+    if not damaged:
+      return trials
+    total = len(trials) + len(damaged)
+    listed = '; '.join(f'{w} ({why})' for w, why in damaged[:3]) + (
+        f'; and {len(damaged) - 3} more' if len(damaged) > 3 else '')
+    what = (f'{self.data_dir}: {len(damaged)} of {total} trials of {split} '
+            f'are damaged')
+    if len(damaged) > self.max_damaged_frac * total:
+      raise base.DataError(f'{what}, more than env.max_damaged_frac='
+                           f'{self.max_damaged_frac}: {listed}')
+    if split not in self._reported:
+      self._reported.add(split)
+      logging.warning('%s and skipped: %s', what, listed)
+    return trials
 
   def _feasible(self, split, task_type, rng) -> dict[str, Any]:
     """Generation parameters of a game the scene can host (cheap to test)."""
@@ -477,7 +503,8 @@ def from_config(env_config, workdir: str) -> AlfWorldEnv:
       max_history=env_config.max_history,
       answer_prefix=env_config.answer_prefix,
       judge_prefix=env_config.judge_prefix,
-      max_critiques=env_config.max_critiques)
+      max_critiques=env_config.max_critiques,
+      max_damaged_frac=env_config.max_damaged_frac)
 
 
 make_tokenizer = prompts.make_tokenizer  # random models (the loop)

@@ -502,27 +502,36 @@ def read_trial(trial_dir: str) -> tuple[dict, dict]:
   return game, traj
 
 
-def find_trials(data_dir: str, split: str) -> list[str]:
-  """Trial folders of a split in ALFWorld's layout, relative to data_dir.
+def find_trials(data_dir: str,
+                split: str) -> tuple[list[str], list[tuple[str, str]]]:
+  """(trial folders, damaged trials) of a split in ALFWorld's layout.
 
-  `data_dir` holds `json_2.1.1/<split>/...` (or is the json_2.1.1 folder).
-  Skipped as ALFWorld's own loader skips them: movable-receptacle and sliced
-  tasks, task types outside TASK_TYPES, games not marked solvable.
+  `data_dir` holds `json_2.1.1/<split>/...` (or is the json_2.1.1 folder);
+  folders are relative to it. Skipped as ALFWorld's own loader skips them:
+  movable-receptacle and sliced tasks, task types outside TASK_TYPES, games
+  not marked solvable. Damaged: (folder, what is wrong) for a trial whose
+  files do not read as JSON objects.
   """
   root = data_dir
   if os.path.isdir(os.path.join(data_dir, 'json_2.1.1')):
     root = os.path.join(data_dir, 'json_2.1.1')
   base = os.path.join(root, split)
-  found = []
+  found, damaged = [], []
   for folder, _, files in os.walk(base):
     if TRAJ_FILE not in files or GAME_FILE not in files:
       continue
     if 'movable' in folder or 'Sliced' in folder:
       continue
+    where = os.path.relpath(folder, root)
     try:
       game, traj = read_trial(folder)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+      damaged.append((where, f'{type(e).__name__}: {e}'))
       continue
-    if traj.get('task_type') in TASK_TYPES and game.get('solvable'):
-      found.append(os.path.relpath(folder, root))
-  return sorted(found)
+    wrong = [name for name, data in ((GAME_FILE, game), (TRAJ_FILE, traj))
+             if not isinstance(data, dict)]
+    if wrong:
+      damaged.append((where, f'{wrong[0]} is not a JSON object'))
+    elif traj.get('task_type') in TASK_TYPES and game.get('solvable'):
+      found.append(where)
+  return sorted(found), sorted(damaged)

@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rla_jax.envs import base
 from rla_jax.envs.coding import sandbox
 
 MAX_LEVEL = 5
@@ -99,17 +100,26 @@ def load_livebench(path: str, *, time_limit_s: float,
 def _load(path, source, time_limit_s, max_tests):
   specs, skipped = [], 0
   stem = os.path.splitext(os.path.basename(path))[0]
-  with open(path, encoding='utf-8') as f:
-    for lineno, line in enumerate(f, 1):
+  try:
+    f = open(path, 'rb')  # pylint: disable=consider-using-with
+  except OSError as e:
+    raise base.DataError(f'{path}: cannot read ({e.strerror})') from None
+  with f:
+    for lineno, raw in enumerate(f, 1):
+      where = f'{path}:{lineno}'
+      try:
+        line = raw.decode('utf-8')
+      except UnicodeDecodeError as e:
+        raise base.DataError(f'{where}: not UTF-8 text (byte {e.start}: '
+                             f'{e.reason})') from None
       if not line.strip():
         continue
-      where = f'{path}:{lineno}'
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f'{where}: not JSON ({e})') from None
+        raise base.DataError(f'{where}: not JSON ({e})') from None
       if not isinstance(record, dict):
-        raise ValueError(f'{where}: expected a JSON object')
+        raise base.DataError(f'{where}: expected a JSON object')
       spec = _problem(record, where, f'{stem}-{lineno}', source,
                       time_limit_s, max_tests)
       if spec['tests']:
@@ -120,7 +130,7 @@ def _load(path, source, time_limit_s, max_tests):
     logging.warning('%s: skipped %d problems without stdin/stdout tests',
                     path, skipped)
   if not specs:
-    raise ValueError(f'{path}: no problem with stdin/stdout tests')
+    raise base.DataError(f'{path}: no problem with stdin/stdout tests')
   return specs
 
 
@@ -134,18 +144,21 @@ def _first(record, names):
 def _problem(record, where, default_id, source, time_limit_s, max_tests):
   statement = _first(record, _STATEMENT)
   if not isinstance(statement, str) or not statement.strip():
-    raise ValueError(f'{where}: no problem statement (one of {_STATEMENT})')
+    raise base.DataError(f'{where}: no problem statement (one of '
+                         f'{_STATEMENT})')
   if isinstance(record.get('question_title'), str):
     statement = f'{record["question_title"]}\n\n{statement}'
   tests = []
   try:
     for pair in _tests(record):
+      if pair[0] is None or pair[1] is None:
+        raise ValueError('a test input or output is null')
       pair = [str(pair[0]), str(pair[1])]
       if pair not in tests:
         tests.append(pair)
   except (TypeError, ValueError, KeyError, IndexError) as e:
-    raise ValueError(f'{where}: malformed tests ({type(e).__name__}: {e})'
-                     ) from None
+    raise base.DataError(f'{where}: malformed tests ({type(e).__name__}: '
+                         f'{e})') from None
   if max_tests:
     tests = tests[:max_tests]
   spec_id = str(_first(record, _ID) or default_id)
@@ -210,7 +223,7 @@ def _time_limit(record, default, where) -> float:
   if value is None or value == 0:
     return float(default)
   if not isinstance(value, (int, float)) or value < 0:
-    raise ValueError(f'{where}: bad time limit {value!r}')
+    raise base.DataError(f'{where}: bad time limit {value!r}')
   return float(value)
 
 

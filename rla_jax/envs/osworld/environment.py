@@ -52,6 +52,7 @@ from rla_jax.envs.osworld import prompts
 
 TASK_DIR = os.path.join(os.path.dirname(__file__), 'tasks')
 SPLITS = ('train', 'eval')  # the authors evaluate on the training tasks
+CONFIG_STEPS = ('launch', 'execute', 'sleep')  # local set-up steps
 INVALID = 'INVALID ACTION'  # prefix of the action a failed parse executes
 VISION_TOKENS = ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>',
                  '<|video_pad|>')
@@ -60,59 +61,88 @@ VISION_TOKENS = ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>',
 def load_tasks(task_dir: str) -> list[dict[str, Any]]:
   """Every *.json task of `task_dir`, checked, sorted by id."""
   if not os.path.isdir(task_dir):
-    raise ValueError(f'config.env.task_dir={task_dir!r}: no such folder')
+    raise base.DataError(f'config.env.task_dir={task_dir!r}: no such folder')
   tasks = []
   for name in sorted(os.listdir(task_dir)):
     if not name.endswith('.json'):
       continue
     path = os.path.join(task_dir, name)
-    with open(path) as f:
-      try:
+    try:
+      with open(path, encoding='utf-8') as f:
         spec = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}: not JSON ({e})') from None
+    except OSError as e:
+      raise base.DataError(f'{path}: cannot read ({e.strerror})') from None
+    except ValueError as e:  # JSON and UTF-8 errors
+      raise base.DataError(f'{path}: not JSON ({e})') from None
     tasks.append(_checked(spec, path))
   if not tasks:
-    raise ValueError(f'config.env.task_dir={task_dir!r}: no *.json tasks')
+    raise base.DataError(f'config.env.task_dir={task_dir!r}: no *.json tasks')
   ids = [t['id'] for t in tasks]
   if len(set(ids)) != len(ids):
-    raise ValueError(f'{task_dir}: duplicate task ids')
+    raise base.DataError(f'{task_dir}: duplicate task ids')
   return sorted(tasks, key=lambda t: t['id'])
 
 
 def _checked(spec: Any, where: str) -> dict[str, Any]:
   """The task with its RLAnything fields filled in and validated."""
   if not isinstance(spec, dict) or not isinstance(spec.get('id'), str):
-    raise ValueError(f'{where}: a task is an object with a string "id"')
+    raise base.DataError(f'{where}: a task is an object with a string "id"')
   spec = dict(spec)
   if 'evaluators' not in spec:  # an OSWorld benchmark task: one evaluator
     if 'evaluator' not in spec or 'instruction' not in spec:
-      raise ValueError(f'{where}: needs "evaluators" (local tasks) or '
-                       '"evaluator" and "instruction" (OSWorld tasks)')
+      raise base.DataError(f'{where}: needs "evaluators" (local tasks) or '
+                           '"evaluator" and "instruction" (OSWorld tasks)')
     spec.setdefault('task_template', {'default': spec['instruction']})
     spec.setdefault('current_task', {'default': spec['instruction']})
   else:
     if not isinstance(spec['evaluators'], dict) or not spec['evaluators']:
-      raise ValueError(f'{where}: "evaluators" is an object name -> '
-                       'evaluator')
+      raise base.DataError(f'{where}: "evaluators" is an object name -> '
+                           'evaluator')
     for name, evaluator in spec['evaluators'].items():
       osworld_eval.check(evaluator, f'{where}: evaluators.{name}')
-    for step in spec.get('config', []):  # what a local desktop runs
-      if step.get('type') not in ('launch', 'execute', 'sleep'):
-        raise ValueError(f'{where}: config step type {step.get("type")!r}: '
-                         'one of launch, execute, sleep')
+    _check_config(spec.get('config', []), where)
   template, current = spec.get('task_template'), spec.get('current_task')
   if not isinstance(template, dict) or not template:
-    raise ValueError(f'{where}: "task_template" is an object evaluator -> '
-                     'instruction')
+    raise base.DataError(f'{where}: "task_template" is an object evaluator -> '
+                         'instruction')
   if 'evaluators' in spec and set(template) != set(spec['evaluators']):
-    raise ValueError(f'{where}: "task_template" names {sorted(template)} '
-                     f'but "evaluators" {sorted(spec["evaluators"])}')
+    raise base.DataError(f'{where}: "task_template" names {sorted(template)} '
+                         f'but "evaluators" {sorted(spec["evaluators"])}')
   if (not isinstance(current, dict) or len(current) != 1
       or next(iter(current)) not in template):
-    raise ValueError(f'{where}: "current_task" must be one evaluator of '
-                     f'{sorted(template)} -> its instruction')
+    raise base.DataError(f'{where}: "current_task" must be one evaluator of '
+                         f'{sorted(template)} -> its instruction')
   return spec
+
+
+def _check_config(steps: Any, where: str) -> None:
+  """Raises base.DataError naming the step of a task's local set-up (what
+  desktops.Local runs) that a desktop could not run."""
+  if not isinstance(steps, list):
+    raise base.DataError(f'{where}: "config" is a list of steps')
+  for k, step in enumerate(steps):
+    at = f'{where}: config[{k}]'
+    if not isinstance(step, dict) or step.get('type') not in CONFIG_STEPS:
+      raise base.DataError(f'{at}: a step is an object with "type" one of '
+                           f'{CONFIG_STEPS}; got {step!r}')
+    params = step.get('parameters', {})
+    if not isinstance(params, dict):
+      raise base.DataError(f'{at}: "parameters" is an object')
+    if step['type'] == 'sleep':
+      seconds = params.get('seconds', 1.0)
+      if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+          or not 0 <= seconds <= 600):
+        raise base.DataError(f'{at}: "seconds" is a number in [0, 600]; '
+                             f'got {seconds!r}')
+      continue
+    command = params.get('command')
+    if not (isinstance(command, str) and command.strip() or
+            isinstance(command, list) and command and
+            all(isinstance(c, str) for c in command)):
+      raise base.DataError(f'{at}: {step["type"]} needs a "command" (a '
+                           f'string or a list of strings); got {command!r}')
+    if not isinstance(params.get('shell', False), bool):
+      raise base.DataError(f'{at}: "shell" is true or false')
 
 
 def instruction(spec: dict[str, Any]) -> str:

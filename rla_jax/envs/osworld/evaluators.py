@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rla_jax.envs import base
+
 MATCHES = ('exact', 'contains')
 _FIELDS = {
     'file_text': ('path', 'text'),
@@ -29,20 +31,30 @@ _FIELDS = {
 }
 
 
+# The type of each field an evaluator may have.
+_TYPES = {'path': str, 'text': str, 'command': (str, list), 'exists': bool,
+          'items': list, 'match': str, 'func': str}
+
+
 def check(evaluator: Any, where: str) -> None:
-  """Raises ValueError naming `where` if `evaluator` is malformed."""
+  """Raises base.DataError naming `where` if `evaluator` is malformed."""
   if not isinstance(evaluator, dict) or evaluator.get('func') not in _FIELDS:
-    raise ValueError(f'{where}: an evaluator is an object with "func" one of '
-                     f'{sorted(_FIELDS)}; got {evaluator!r}')
+    raise base.DataError(f'{where}: an evaluator is an object with "func" '
+                         f'one of {sorted(_FIELDS)}; got {evaluator!r}')
   func = evaluator['func']
   missing = [k for k in _FIELDS[func] if k not in evaluator]
   if missing:
-    raise ValueError(f'{where}: evaluator {func!r} lacks {missing}')
+    raise base.DataError(f'{where}: evaluator {func!r} lacks {missing}')
+  for key, kind in _TYPES.items():
+    if key in evaluator and not isinstance(evaluator[key], kind):
+      raise base.DataError(f'{where}: evaluator {func!r}: "{key}" must be '
+                           f'{getattr(kind, "__name__", "a string or list")}'
+                           f'; got {evaluator[key]!r}')
   if evaluator.get('match', 'exact') not in MATCHES:
-    raise ValueError(f'{where}: "match" must be one of {MATCHES}')
+    raise base.DataError(f'{where}: "match" must be one of {MATCHES}')
   if func == 'all':
     if not isinstance(evaluator['items'], list) or not evaluator['items']:
-      raise ValueError(f'{where}: "all" needs a non-empty "items" list')
+      raise base.DataError(f'{where}: "all" needs a non-empty "items" list')
     for k, item in enumerate(evaluator['items']):
       check(item, f'{where}.items[{k}]')
 
