@@ -87,7 +87,7 @@ def check_paths(config) -> None:
   for name in ('policy', 'reward_model', 'env_model'):
     path = config[name].path
     _check(config, not path or os.path.exists(path), f'{name}.path',
-           'no such model folder or .gguf file (set it with '
+           'does not exist (a model folder or .gguf file; set it with '
            f'--config.{name}.path=...)')
 
 

@@ -40,8 +40,9 @@ CASES = {
     # The design card's command on a machine without the weights.
     'missing model folder': (
         ['--config=configs/osworld.py'],
-        "config.policy.path='/models/Qwen3-VL-8B-Thinking': no such model "
-        'folder or .gguf file (set it with --config.policy.path=...)'),
+        "config.policy.path='/models/Qwen3-VL-8B-Thinking': does not exist "
+        '(a model folder or .gguf file; set it with '
+        '--config.policy.path=...)'),
 }
 
 

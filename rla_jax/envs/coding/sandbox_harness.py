@@ -298,10 +298,7 @@ class Harness:
     t0 = checked = time.monotonic()
     cpu0, verdict = None, None
     while verdict is None:
-      now = time.monotonic()
-      readable = select.select(
-          watched, [], [], max(0.0, min(t0 + self.wall_limit - now,
-                                        _POLL_S)))[0]
+      readable = self._select(watched, t0)
       if out_r in readable:
         self._drain(out_r, output, watched)
       for event in runner.read_events():
@@ -352,6 +349,12 @@ class Harness:
     status, detail, out_digest = self._judged(*verdict, output)
     self.emit(k, status, detail, elapsed, output, out_digest)
     return k + 1
+
+  def _select(self, watched, t0):
+    """The fds of `watched` that are ready, waiting at most until the next
+    CPU check or the wall-clock limit of a test started at `t0`."""
+    left = t0 + self.wall_limit - time.monotonic()
+    return select.select(watched, [], [], max(0.0, min(left, _POLL_S)))[0]
 
   def _input(self, k):
     text = self.tests[k][1]
@@ -430,10 +433,7 @@ class Harness:
     t0 = checked = time.monotonic()
     cpu0 = None
     while True:
-      now = time.monotonic()
-      readable = select.select(
-          watched, [], [], max(0.0, min(t0 + self.wall_limit - now,
-                                        _POLL_S)))[0]
+      readable = self._select(watched, t0)
       if out_r in readable:
         self._drain(out_r, sink, watched)
         del sink[:]  # a check's verdict does not read the program's output
