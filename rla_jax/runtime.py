@@ -154,13 +154,12 @@ def lookup(config, key: str):
 
 def make_env(config, workdir: str):
   """The setting's module (a package under rla_jax/envs/, or tiny.py) and
-  its environment."""
+  its environment. `validate` has checked that the module exists."""
   try:
     module = importlib.import_module(f'rla_jax.envs.{config.env.name}')
   except ModuleNotFoundError as e:
-    raise ConfigError(f'config.env.name={config.env.name!r}: no setting '
-                     f'rla_jax/envs/{config.env.name}/ or '
-                     f'rla_jax/envs/{config.env.name}.py ({e})') from e
+    raise ConfigError(f'config.env.name={config.env.name!r}: the setting '
+                      f'needs a package that is not installed ({e})') from e
   return module, module.from_config(config.env, workdir)
 
 

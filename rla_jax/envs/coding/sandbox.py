@@ -266,8 +266,10 @@ def _check_limits(limits: Limits, time_limit_s: float):
       raise SandboxError(f'{name}={value!r}: must be {kind} >= {low}{bound}')
 
 
-def _test_spec(test: Test) -> tuple[str, str, bytes | None] | None:
-  """(kind, payload, expected digest) of a test; None when invalid."""
+def _test_spec(test: Test) -> tuple[str, str | bytes, bytes | None] | None:
+  """(kind, payload, expected digest) of a test; None when invalid. An io
+  test's payload is its stdin as bytes (sandbox_runner writes them as they
+  are)."""
   if isinstance(test, Check):
     return ('check', test.code, None) if isinstance(test.code, str) else None
   if not isinstance(test, (tuple, list)) or len(test) != 2:
@@ -275,16 +277,16 @@ def _test_spec(test: Test) -> tuple[str, str, bytes | None] | None:
   stdin, expected = test
   if stdin is None or expected is None:
     return None
-  return ('io', str(stdin), expected_digest(str(expected)))
+  return ('io', utf8(str(stdin)), expected_digest(str(expected)))
 
 
 def _harness_limits(limits: Limits, time_limit_s: float,
-                    tests: list[tuple[str, str]]) -> dict[str, Any]:
+                    tests: list[tuple[str, str | bytes]]) -> dict[str, Any]:
   names = ('memory_mb', 'stack_mb', 'processes', 'output_mb', 'open_files',
            'wall_factor', 'wall_extra_s', 'keep_output')
   out = {name: getattr(limits, name) for name in names}
   # The worker writes each test's stdin into a file under this limit too.
-  largest = max(len(utf8(p)) for _, p in tests)
+  largest = max((len(p) for kind, p in tests if kind == 'io'), default=0)
   out['file_bytes'] = max(limits.file_mb << 20, largest + 1)
   # Backstop only: the harness enforces the per-test CPU limit itself.
   out['cpu_total_s'] = int(len(tests) * (time_limit_s + 1)) + 5

@@ -161,16 +161,16 @@ class _Runner:
       os.close(fd)
     self.pidfd = os.pidfd_open(self.pid)
     os.set_blocking(ev_r, False)
-    code = harness.job['runner']
-    try:
-      _write_all(cmd_w, len(code).to_bytes(4, 'big') + code)
-    except BrokenPipeError:
-      pass  # it died; its pidfd says so
+    code = harness.job['runner']  # what _RUNNER_BOOT reads first
+    self._write(len(code).to_bytes(4, 'big') + code)
     self.send(job)
 
   def send(self, obj):
+    self._write(_frame(obj))
+
+  def _write(self, data):
     try:
-      _write_all(self.cmd, _frame(obj))
+      _write_all(self.cmd, data)
     except BrokenPipeError:
       pass  # it died; its pidfd says so
 
@@ -202,6 +202,39 @@ class _Runner:
   def close(self):
     for fd in (self.ev, self.cmd, self.pidfd):
       os.close(fd)
+
+
+class _Clock:
+  """The wall-clock and CPU time of one test, run by the processes `pids`."""
+
+  def __init__(self, harness, pids):
+    self.harness, self.pids = harness, pids
+    self.start(time.monotonic())
+
+  def start(self, now):
+    self.t0 = self.checked = now
+    self.cpu0 = None  # the runners' CPU seconds at t0, once read
+
+  def over(self):
+    """A timeout verdict once the test is past a limit, else None."""
+    h, now = self.harness, time.monotonic()
+    if now >= self.t0 + h.wall_limit:
+      return 'timeout', f'over {h.wall_limit:g} s of wall-clock time'
+    if now - self.checked >= _POLL_S:
+      self.checked = now
+      cpu = sum(_cpu_s(pid, h.tick) for pid in self.pids)
+      if self.cpu0 is None:  # read lazily: most tests end before a poll
+        # As if each had been busy since t0 (an upper bound).
+        self.cpu0 = cpu - len(self.pids) * (now - self.t0)
+      if cpu - self.cpu0 > h.cpu_limit:
+        return 'timeout', f'over {h.cpu_limit:g} s of CPU time'
+    return None
+
+  def select(self, watched):
+    """The fds of `watched` that are ready, waiting at most until the next
+    CPU check or the wall-clock limit."""
+    left = self.t0 + self.harness.wall_limit - time.monotonic()
+    return select.select(watched, [], [], max(0.0, min(left, _POLL_S)))[0]
 
 
 class Harness:
@@ -294,11 +327,10 @@ class Harness:
   def _watch_io(self, k, runner, out_r):
     watched = [runner.ev, out_r, runner.pidfd]
     output = bytearray()
-    runner.send((k, self._input(k)))
-    t0 = checked = time.monotonic()
-    cpu0, verdict = None, None
+    runner.send((k, self.tests[k][1]))
+    clock, verdict = _Clock(self, [runner.pid]), None
     while verdict is None:
-      readable = self._select(watched, t0)
+      readable = clock.select(watched)
       if out_r in readable:
         self._drain(out_r, output, watched)
       for event in runner.read_events():
@@ -310,15 +342,14 @@ class Harness:
           break
         now = time.monotonic()
         status, detail, out_digest = self._judged(event[1], event[2], output)
-        self.emit(k, status, detail, now - t0, output, out_digest)
+        self.emit(k, status, detail, now - clock.t0, output, out_digest)
         k += 1
         output.clear()
         if k == len(self.tests) or self.tests[k][0] != 'io':
           verdict = 'next'
           break
-        runner.send((k, self._input(k)))
-        t0 = checked = now
-        cpu0 = None
+        runner.send((k, self.tests[k][1]))
+        clock.start(now)
       if verdict is not None:
         break
       if len(output) > self.cap:
@@ -327,41 +358,20 @@ class Harness:
       if runner.pidfd in readable:
         verdict = 'exited'
         break
-      now = time.monotonic()
-      if now >= t0 + self.wall_limit:
-        verdict = ('timeout', f'over {self.wall_limit:g} s of wall-clock time')
-      elif now - checked >= _POLL_S:
-        checked, cpu = now, _cpu_s(runner.pid, self.tick)
-        if cpu0 is None:  # read lazily: most tests end before the first poll
-          cpu0 = cpu - (now - t0)  # as if it had been busy (an upper bound)
-        if cpu - cpu0 > self.cpu_limit:
-          verdict = ('timeout', f'over {self.cpu_limit:g} s of CPU time')
-    elapsed = time.monotonic() - t0
+      verdict = clock.over()
+    elapsed = time.monotonic() - clock.t0
     if verdict == 'exited':  # what it wrote before dying still counts
       self._drain(out_r, output, watched)
     status = self.kill_all([runner.pid])[runner.pid]
     if verdict == 'next':
       return k
     if verdict == 'exited':
-      verdict = self._death(status, output)
+      verdict = self._death(status)
     if len(output) > self.cap:
       verdict = ('output_limit', f'stdout over {self.lim["output_mb"]} MB')
     status, detail, out_digest = self._judged(*verdict, output)
     self.emit(k, status, detail, elapsed, output, out_digest)
     return k + 1
-
-  def _select(self, watched, t0):
-    """The fds of `watched` that are ready, waiting at most until the next
-    CPU check or the wall-clock limit of a test started at `t0`."""
-    left = t0 + self.wall_limit - time.monotonic()
-    return select.select(watched, [], [], max(0.0, min(left, _POLL_S)))[0]
-
-  def _input(self, k):
-    text = self.tests[k][1]
-    try:
-      return text.encode('utf-8', 'surrogateescape')
-    except UnicodeEncodeError:  # a lone surrogate, as sandbox.utf8
-      return text.encode('utf-8', 'surrogatepass')
 
   def _judged(self, status, detail, output):
     """(status, detail, digest) of an io test; 'done' goes to the host with
@@ -372,9 +382,8 @@ class Harness:
       status = 'error'  # only the host says an output is wrong
     return status, detail, b''
 
-  def _death(self, status, output):
+  def _death(self, status):
     """Verdict on the running test when its runner died during it."""
-    del output
     if status is None:
       return 'error', 'the program exited'
     if os.WIFSIGNALED(status):
@@ -402,7 +411,6 @@ class Harness:
     os.close(req_w)
     os.close(ans_r)
     server, verdict, early = None, None, []
-    t0 = time.monotonic()
     try:
       # The checker is non-dumpable before the program starts beside it.
       if not self._wait_ready(checker, early):
@@ -413,10 +421,10 @@ class Harness:
       for fd in (req_r, ans_w, out_w):
         os.close(fd)
       os.set_blocking(out_r, False)
-      t0 = time.monotonic()
+      clock = _Clock(self, [checker.pid] + ([server.pid] if server else []))
       if verdict is None:
-        verdict = self._watch_check(checker, server, out_r, early)
-      elapsed = time.monotonic() - t0
+        verdict = self._watch_check(checker, server, out_r, early, clock)
+      elapsed = time.monotonic() - clock.t0
       self.kill_all([checker.pid] + ([server.pid] if server else []))
     finally:
       os.close(out_r)
@@ -426,14 +434,12 @@ class Harness:
     self.emit(k, *verdict, elapsed)
     return k + 1
 
-  def _watch_check(self, checker, server, out_r, early):
+  def _watch_check(self, checker, server, out_r, early, clock):
     """The checking runner's verdict, or a limit's."""
     watched = [checker.ev, server.ev, out_r, checker.pidfd, server.pidfd]
     sink, program_failure = bytearray(), None
-    t0 = checked = time.monotonic()
-    cpu0 = None
     while True:
-      readable = self._select(watched, t0)
+      readable = clock.select(watched)
       if out_r in readable:
         self._drain(out_r, sink, watched)
         del sink[:]  # a check's verdict does not read the program's output
@@ -455,30 +461,23 @@ class Harness:
                                    'verdict')
       if server.pidfd in readable and server.pidfd in watched:
         watched.remove(server.pidfd)  # the checker sees the channel close
-      now = time.monotonic()
-      if now >= t0 + self.wall_limit:
-        return 'timeout', f'over {self.wall_limit:g} s of wall-clock time'
-      if now - checked >= _POLL_S:
-        checked = now
-        cpu = _cpu_s(server.pid, self.tick) + _cpu_s(checker.pid, self.tick)
-        if cpu0 is None:
-          cpu0 = cpu - 2 * (now - t0)  # an upper bound of the time so far
-        if cpu - cpu0 > self.cpu_limit:
-          return 'timeout', f'over {self.cpu_limit:g} s of CPU time'
+      verdict = clock.over()
+      if verdict:
+        return verdict
 
   def kill_all(self, pids):
     """Kills every runner and what it started, reaps them; pid -> status."""
     statuses = dict.fromkeys(pids)
     pending = set(pids)
     while True:
-      try:
-        if self.pid1:
-          os.kill(-1, signal.SIGKILL)  # the whole namespace except PID 1
-        else:
-          for pid in pending:
-            os.killpg(pid, signal.SIGKILL)
-      except OSError:
-        pass
+      for target in ([-1] if self.pid1 else pending):
+        try:
+          if self.pid1:
+            os.kill(-1, signal.SIGKILL)  # the whole namespace except PID 1
+          else:
+            os.killpg(target, signal.SIGKILL)
+        except OSError:
+          pass  # a group already gone must not spare the others
       try:
         done, status = os.waitpid(-1 if self.pid1 else next(iter(pending)),
                                   0)
