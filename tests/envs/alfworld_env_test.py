@@ -326,9 +326,13 @@ def test_damaged_trials_are_reported_and_too_many_refuse_the_split(
   name = os.path.relpath(trials[0], data / 'json_2.1.1')
   assert f'1 of 6 trials of train are damaged and skipped: {name} ' \
          f'(traj_data.json is not a JSON object)' in caplog.text
-  # A truncated game file is damaged too; 2 of 6 is over the limit.
+  assert len(folder.tasks('train')) == 5  # read once: the same list again
+  # A truncated game file is damaged too; 2 of 6 is over the limit (a run
+  # reads the folder when it starts).
   text = (trials[1] / games.GAME_FILE).read_text()
   (trials[1] / games.GAME_FILE).write_text(text[:len(text) // 2])
+  folder = alfworld.AlfWorldEnv(str(tmp_path / 'cache'), data_dir=str(data),
+                                max_damaged_frac=0.2)
   with pytest.raises(base.DataError, match=(
       r'2 of 6 trials of train are damaged, more than '
       r'env.max_damaged_frac=0.2: .*JSONDecodeError')):

@@ -104,7 +104,7 @@ class AlfWorldEnv:
     self.answer_prefix, self.judge_prefix = answer_prefix, judge_prefix
     self.max_critiques = max_critiques
     self.max_damaged_frac = max_damaged_frac
-    self._reported: set[str] = set()  # splits whose damage was reported
+    self._trial_lists: dict[str, list[str]] = {}  # data_dir split -> trials
     self._lock = threading.Lock()
     self._games: dict[str, dict[str, Any]] = {}  # built game files
     self._infos: dict[str, dict[str, Any]] = {}  # cheap facts (difficulty)
@@ -131,8 +131,13 @@ class AlfWorldEnv:
     return specs
 
   def _trials(self, split: str) -> list[str]:
-    """The split's readable trials; damaged ones are reported, and too many
-    refuse the split (base.DataError naming them)."""
+    """The split's readable trials, read once per run; damaged ones are
+    reported, and too many refuse the split (base.DataError naming them)."""
+    if split not in self._trial_lists:
+      self._trial_lists[split] = self._scan(split)
+    return self._trial_lists[split]
+
+  def _scan(self, split: str) -> list[str]:
     trials, damaged = games.find_trials(self.data_dir, split)
     if not damaged:
       return trials
@@ -144,9 +149,7 @@ class AlfWorldEnv:
     if len(damaged) > self.max_damaged_frac * total:
       raise base.DataError(f'{what}, more than env.max_damaged_frac='
                            f'{self.max_damaged_frac}: {listed}')
-    if split not in self._reported:
-      self._reported.add(split)
-      logging.warning('%s and skipped: %s', what, listed)
+    logging.warning('%s and skipped: %s', what, listed)
     return trials
 
   def _feasible(self, split, task_type, rng) -> dict[str, Any]:
