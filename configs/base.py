@@ -223,6 +223,9 @@ def get_config() -> ml_collections.ConfigDict:
       compilation_cache_dir='~/.cache/rla_jax/xla',  # '' = no persistent cache
       compilation_cache_min_s=0.0,  # cache programs that took this long to
                                     # compile (0: all; a tiny run 10% faster)
+      check_rewards=True,  # before epoch 1, play the setting's known-pass
+                           # and known-fail cases through its evaluator
+                           # (reward_check.py); a wrong outcome stops the run
       preempt_grace_s=30.0,  # SIGTERM/SIGINT: seconds to stop cleanly with
                              # a checkpoint before exiting anyway; keep it
                              # below the cluster's kill delay

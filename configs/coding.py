@@ -79,6 +79,7 @@ def env_section() -> ml_collections.ConfigDict:
           file_mb=16,
           output_mb=16,
           tmp_mb=64,
+          tmp_files=4096,  # files, directories and links in /tmp and /dev/shm
           open_files=64,
           wall_factor=3.0,
           wall_extra_s=1.0,

@@ -35,6 +35,7 @@ from rla_jax import judge
 from rla_jax import metrics
 from rla_jax import preemption
 from rla_jax import report
+from rla_jax import reward_check
 from rla_jax import rollout
 from rla_jax import runtime
 from rla_jax import sharding
@@ -357,6 +358,8 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
                         config.loop.compilation_cache_min_s)
     try:
       state = runtime.setup(config, workdir)
+      if config.loop.check_rewards:
+        _check_rewards(state)
     except BaseException:
       if made and chief:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -382,6 +385,22 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
       state.executor.shutdown()
       if hasattr(state.env, 'close'):  # e.g. desktops, sandboxes
         state.env.close()
+
+
+def _check_rewards(run: runtime.Run):
+  """The setting's known outcomes through its evaluator (reward_check.py);
+  a wrong one stops the run before epoch 1, closing what set-up opened."""
+  try:
+    cases, seconds = reward_check.check(run.env, run.config.env.name)
+  except BaseException:
+    run.writer.close()
+    run.executor.shutdown()
+    if hasattr(run.env, 'close'):
+      run.env.close()
+    raise
+  if run.chief and cases:
+    print(f'reward check: {cases} known outcomes of {run.config.env.name!r} '
+          f'right in {seconds:.1f} s', flush=True)
 
 
 def _write_process_report(run: runtime.Run):

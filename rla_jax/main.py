@@ -7,7 +7,8 @@ with a checkpoint (exit 0); the same command resumes. A usage error (a
 --config that does not load, an override of a key the config lacks, a value
 that does not fit) prints one line naming the key and exits 2 before DIR is
 made; other errors a user can act on (workdir in use, no restorable
-checkpoint, a failed save, non-finite training) print one line and exit 1.
+checkpoint, a failed save, non-finite training, a setting whose known
+reward outcomes come out wrong at start-up) print one line and exit 1.
 `-v 0` adds the traceback to the log.
 """
 
@@ -139,6 +140,7 @@ def main(argv):
   from rla_jax import checkpoint
   from rla_jax import loop
   from rla_jax import preemption
+  from rla_jax import reward_check
   from rla_jax import runtime
   from rla_jax import train
   from rla_jax.envs import base
@@ -152,7 +154,7 @@ def main(argv):
     _usage_error(str(e))
   except (preemption.LockedError, checkpoint.RestoreError,
           checkpoint.SaveError, checkpoint.ConfigMismatchError,
-          train.NonFiniteLossError) as e:
+          train.NonFiniteLossError, reward_check.RewardCheckFailed) as e:
     logging.info('%s', type(e).__name__, exc_info=True)  # shown with -v 0
     print(f'error: {e}', file=sys.stderr, flush=True)
     sys.exit(1)

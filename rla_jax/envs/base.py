@@ -68,6 +68,22 @@ class Observation(str):
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardCase:
+  """A play-through whose outcome is known, for the start-up reward check.
+
+  The run plays it through the setting's own evaluator before epoch 1
+  (reward_check.py): `make_episode(spec, 0, len(actions))`, `reset`, then
+  `step` on each action (what `parse_action` would return) until the
+  episode ends. A known pass must end +1.0, a known fail -1.0.
+  """
+
+  name: str  # names the case in the message that stops a run
+  spec: dict[str, Any]
+  actions: tuple[str, ...]
+  passes: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class RewriteRequest:
   """What the curator knows when it asks for a harder or easier task.
 
@@ -185,6 +201,12 @@ class OptionalHooks(Protocol):
   def close(self) -> None:
     """Releases what the setting holds (desktops, servers) when the run
     ends (default: nothing to release)."""
+
+  def reward_cases(self) -> list[RewardCase]:
+    """Known passes and known fails played through the real evaluator
+    before epoch 1 (config.loop.check_rewards), at least one of each; they
+    should cost seconds. Default: none, and the run warns that the
+    setting's rewards are unchecked."""
 
 
 class UnitTestHooks(Protocol):

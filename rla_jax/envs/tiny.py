@@ -142,6 +142,20 @@ class TinyEnv:
     return 1.0 - success_probability(spec['modulus'], spec['stages'],
                                      self.max_turns)
 
+  def reward_cases(self) -> list[base.RewardCase]:
+    """A two-dial lock opened dial by dial, and tried with a symbol that
+    opens no dial."""
+    spec = {'id': 'reward-check', 'seed': 1, 'modulus': 3, 'stages': 2}
+    symbols = [chr(c) for c in range(ord('a'), ord('a') + spec['modulus'])]
+    opening = tuple(next(s for s in symbols if ord(s) % spec['modulus'] ==
+                         _residue(spec, stage))
+                    for stage in range(spec['stages']))
+    wrong = next(s for s in symbols
+                 if ord(s) % spec['modulus'] != _residue(spec, 0))
+    return [base.RewardCase('the dials opened in order', spec, opening, True),
+            base.RewardCase('a symbol that opens nothing', spec,
+                            (wrong,) * spec['stages'], False)]
+
   def _valid(self, spec, modulus, stages, direction) -> bool:
     if not (1 <= modulus <= self.max_modulus and 1 <= stages <= self.max_turns):
       return False

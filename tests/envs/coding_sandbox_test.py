@@ -1,15 +1,18 @@
 """The sandbox: verdicts, isolation of tests, containment, nothing left over."""
 
+import errno
 import logging
 import os
 import socket
 import stat
+import struct
 import tempfile
 import time
 
 import pytest
 
 from rla_jax.envs.coding import sandbox
+from rla_jax.envs.coding import sandbox_kernel
 
 needs_bwrap = pytest.mark.skipif(
     not sandbox.available(),
@@ -223,8 +226,9 @@ def test_network_is_unreachable(nothing_left):
     result = _one(prog, expected='connected')
     assert result.status == 'error', result
     assert 'connected' not in result.output
-    assert 'refused' in result.detail.lower() or 'unreachable' in (
-        result.detail.lower()), result
+    # The seccomp filter refuses inet sockets; without it: no route.
+    assert any(why in result.detail.lower() for why in (
+        'not supported', 'refused', 'unreachable')), result
     with pytest.raises(BlockingIOError):
       listener.accept()
   finally:
@@ -332,6 +336,291 @@ def test_killing_the_parent_or_everyone_is_contained(nothing_left):
   for prog, status in cases.items():
     results = sandbox.run(prog, [('', '1'), ('', '1')], time_limit_s=FAST)
     assert [r.status for r in results] == [status] * 2, (prog, results)
+
+
+# Kernel memory outside RLIMIT_AS (issue 31, part 2): each an attack.
+
+BOMB = '''
+import errno, os
+{setup}
+n = 0
+try:
+  while n < 10 ** 7:
+    path = {top!r} + '/' + str(n)
+    {make}
+    n += 1
+except OSError as e:
+  print(n, errno.errorcode[e.errno])
+'''
+EMPTY_FILE = 'os.close(os.open(path, os.O_CREAT | os.O_WRONLY))'
+# name -> (directory, setup, what each step makes, files it makes besides).
+BOMBS = {
+    'files in /tmp': ('/tmp', '', EMPTY_FILE, 0),
+    'files in /dev/shm': ('/dev/shm', '', EMPTY_FILE, 0),
+    'files in the cwd': ('.', '', EMPTY_FILE, 0),
+    'hard links': ('/tmp', 'open("/tmp/f", "w").close()',
+                   'os.link("/tmp/f", path)', 1),
+    'directories': ('/dev/shm', '', 'os.mkdir(path)', 0),
+    'symlinks': ('/tmp', '', 'os.symlink("x" * 200, path)', 0),
+}
+
+
+@pytest.mark.parametrize('name', sorted(BOMBS))
+def test_an_inode_bomb_stops_at_tmp_files(name, nothing_left):
+  # Before: 3.09 M empty files in a 64 MB /tmp, ~1.5 KB of kernel memory
+  # each, outside every limit.
+  top, setup, make, besides = BOMBS[name]
+  prog = BOMB.format(top=top, setup=setup, make=make)
+  for tmp_files in (sandbox.Limits().tmp_files, 100):
+    result = _one(prog, tmp_files=tmp_files)
+    count, error = result.output.split()
+    assert error == 'ENOSPC', (name, result)
+    assert tmp_files - 1 <= int(count) + besides <= tmp_files, (name, result)
+
+
+PRELUDE = '''
+import ctypes, errno, fcntl, os, select, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, *args):
+  if getattr(libc, name)(*args) == -1:
+    raise OSError(ctypes.get_errno(), name)
+try:
+{code}
+  print('allowed')
+except OSError as e:
+  print(errno.errorcode.get(e.errno, e.errno))
+'''
+# What would hold kernel memory no limit counts -> the error it now gets.
+REFUSED = {
+    'memfd_create': ("os.memfd_create('x')", 'EPERM'),
+    'memfd_secret': ('call("syscall", 447, 0)', 'EPERM'),
+    'SysV shared memory': ('call("shmget", 0, 1 << 20, 0o1600)', 'EPERM'),
+    'SysV message queue': ('call("msgget", 0, 0o1600)', 'EPERM'),
+    'SysV semaphores': ('call("semget", 0, 1, 0o1600)', 'EPERM'),
+    'POSIX message queue': (
+        'call("mq_open", b"/q", os.O_CREAT | os.O_RDWR, 0o600, None)',
+        'EPERM'),
+    'io_uring': ('call("syscall", 425, 8, ctypes.create_string_buffer(120))',
+                 'EPERM'),
+    'epoll': ('select.epoll()', 'EPERM'),
+    'inotify': ('call("inotify_init1", 0)', 'EPERM'),
+    'TCP socket': ('socket.socket()', 'EAFNOSUPPORT'),
+    'UDP socket': ('socket.socket(socket.AF_INET, socket.SOCK_DGRAM)',
+                   'EAFNOSUPPORT'),
+    'unix datagrams': ('socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)',
+                       'ESOCKTNOSUPPORT'),
+    'unix listener': ('s = socket.socket(socket.AF_UNIX)\n'
+                      's.bind("\\0x")\ns.listen()', 'EPERM'),
+    'bigger socket buffer': (
+        'socket.socketpair()[0].setsockopt(socket.SOL_SOCKET, '
+        'socket.SO_SNDBUF, 1 << 22)', 'EPERM'),
+    'bigger pipe': ('fcntl.fcntl(os.pipe()[1], fcntl.F_SETPIPE_SZ, 1 << 20)',
+                    'EPERM'),
+    'byte-range lock': ('fcntl.lockf(os.open("/tmp/l", os.O_CREAT | '
+                        'os.O_RDWR), fcntl.LOCK_EX, 1, 0)', 'ENOLCK'),
+    'splice': ('os.splice(os.open("/usr/bin/env", 0), os.pipe()[1], 4096)',
+               'EPERM'),
+    'sendfile': ('os.sendfile(os.pipe()[1], os.open("/usr/bin/env", 0), 0, '
+                 '4096)', 'EPERM'),
+    'vmsplice': ('call("vmsplice", os.pipe()[1], None, 0, 0)', 'EPERM'),
+    'names of mappings': ('call("prctl", 0x53564D41, 0, 0, 0, 0)', 'EPERM'),
+    # The capabilities that mounted /tmp are gone.
+    'remount /tmp': ('call("mount", None, b"/tmp", None, 32, b"nr_inodes=0")',
+                     'EPERM'),
+    'mount over /tmp': (
+        'call("mount", b"tmpfs", b"/tmp", b"tmpfs", 0, b"nr_inodes=0")',
+        'EPERM'),
+    'unmount /tmp': ('call("umount2", b"/tmp", 2)', 'EPERM'),
+    'a mount namespace': ('call("unshare", 0x20000)', 'EPERM'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(REFUSED))
+def test_what_holds_kernel_memory_is_refused(name):
+  code, error = REFUSED[name]
+  indented = '\n'.join('  ' + line for line in code.splitlines())
+  result = _one(PRELUDE.format(code=indented))
+  assert result.output == error + '\n', (name, result)
+
+
+def test_a_program_holds_no_capability():
+  prog = ('import resource as r\n'
+          'for line in open("/proc/self/status"):\n'
+          '  if line.startswith(("Cap", "NoNewPrivs")):\n'
+          '    print(line.split()[1], end=" ")\n'
+          'print(open("/proc/self/oom_score_adj").read().strip(),\n'
+          '      r.getrlimit(r.RLIMIT_MSGQUEUE),\n'
+          '      r.getrlimit(r.RLIMIT_SIGPENDING))')
+  zero = '0000000000000000'
+  # Inheritable, permitted, effective, bounding, ambient; no_new_privs.
+  expected = f'{zero} ' * 5 + '1 1000 (0, 0) (64, 64)'
+  assert _one(prog, expected=expected).passed
+
+
+def test_posix_timers_stop_at_the_pending_signals_limit():
+  # Before: 96,367 (the host's RLIMIT_SIGPENDING), ~0.5 KB each.
+  prog = ('import ctypes\n'
+          'libc = ctypes.CDLL(None, use_errno=True)\n'
+          'timer, n = ctypes.c_void_p(), 0\n'
+          'while n < 10 ** 6 and libc.timer_create(\n'
+          '    1, None, ctypes.byref(timer)) == 0:\n'
+          '  n += 1\n'
+          'print(n, ctypes.get_errno())')
+  count, error = _one(prog).output.split()
+  assert int(count) <= 64 and int(error) == 11, (count, error)  # EAGAIN
+
+
+def test_ordinary_python_still_works(nothing_left):
+  prog = '''
+import concurrent.futures, fcntl, mmap, multiprocessing as mp, os, shutil
+import socket, subprocess, sys, tempfile, threading
+with mp.Pool(2) as pool:
+  assert pool.map(abs, range(-3, 3)) == [3, 2, 1, 0, 1, 2]
+with concurrent.futures.ProcessPoolExecutor(2) as executor:
+  assert list(executor.map(abs, [-1, -2])) == [1, 2]
+queue = mp.Queue()
+process = mp.Process(target=queue.put, args=(7,))
+process.start()
+assert queue.get() == 7
+process.join()
+a, b = mp.Pipe()  # a unix stream socketpair
+a.send([1, 2])
+assert b.recv() == [1, 2]
+with mp.Lock():  # a POSIX semaphore in /dev/shm
+  pass
+run = subprocess.run([sys.executable, '-c', 'print(6 * 7)'],
+                     capture_output=True, text=True)
+assert run.stdout == '42\\n', run
+with tempfile.NamedTemporaryFile('w', delete=False) as f:
+  f.write('x' * 100000)
+shutil.copyfile(f.name, f.name + '.copy')  # without sendfile
+assert open(f.name + '.copy').read() == 'x' * 100000
+thread = threading.Thread(target=queue.put, args=(8,))
+thread.start()
+thread.join()
+assert queue.get() == 8
+mmap.mmap(-1, 1 << 20)[:3] = b'abc'
+fcntl.flock(os.open(f.name, os.O_RDONLY), fcntl.LOCK_EX)  # whole file
+print('ok')
+'''
+  result = _one(prog, expected='ok', time_limit_s=10.0)
+  assert result.passed, result
+
+
+def test_a_full_tmp_fails_the_programs_own_later_tests(nothing_left):
+  # The runner puts each test's stdin in /tmp: a program that filled it
+  # (and kept the earlier stdin open) gets Results, the sandbox no error.
+  prog = ('import os\n'
+          'os.dup(0)\n'
+          'try:\n'
+          '  with open(f"/tmp/{os.getpid()}", "ab") as f:\n'
+          '    while True:\n'
+          '      f.write(b"x" * (1 << 20))\n'
+          'except OSError:\n'
+          '  pass\n'
+          'print(input())\n')
+  results = sandbox.run(prog, [('1', '1'), ('2' * 100000, '2' * 100000)],
+                        limits=sandbox.Limits(tmp_mb=4))
+  assert [r.status for r in results] == ['ok', 'error'], results
+  assert 'no room for the input' in results[1].detail, results
+
+
+def _seccomp_verdict(program, arch, nr, args=()):
+  """What a classic-BPF seccomp program returns for one call."""
+  data = struct.pack('=iIQ6Q', nr, arch, 0, *(list(args) + [0] * 6)[:6])
+  code = [struct.unpack_from('=HBBI', program, i)
+          for i in range(0, len(program), 8)]
+  pc, acc = 0, 0
+  while True:
+    op, jt, jf, k = code[pc]
+    pc += 1
+    if op == 0x20:  # ld [k]
+      acc = struct.unpack_from('=I', data, k)[0]
+    elif op == 0x54:  # and k
+      acc &= k
+    elif op in (0x15, 0x35):  # jeq, jge
+      pc += jt if (acc == k if op == 0x15 else acc >= k) else jf
+    elif op == 0x06:  # ret k
+      return k
+    else:
+      raise AssertionError(f'unexpected BPF opcode {op:#x}')
+
+
+@pytest.mark.parametrize('machine', ['x86_64', 'aarch64'])
+def test_the_seccomp_filter_of_each_cpu(machine):
+  # pylint: disable=protected-access
+  program = sandbox_kernel.seccomp_filter(machine)
+  column, arch = sandbox_kernel._MACHINES[machine]
+  nr = {n: v[column] for n, v in sandbox_kernel._SYSCALLS.items()}
+  allow, refused = 0x7FFF0000, lambda e: 0x50000 | e
+  verdict = lambda name, *args: _seccomp_verdict(program, arch, nr[name],
+                                                 args)
+  for name in sandbox_kernel._DENIED:
+    if nr[name] is not None:
+      assert verdict(name) == refused(errno.EPERM), name
+  read, mmap = {'x86_64': (0, 9), 'aarch64': (63, 222)}[machine]
+  for call in (read, mmap):
+    assert _seccomp_verdict(program, arch, call) == allow
+  for name in ('socket', 'socketpair'):
+    assert verdict(name, 1, 1 | 0o4000 | 0o2000000) == allow  # flags kept
+    assert verdict(name, 1, 2) == refused(errno.ESOCKTNOSUPPORT)
+    assert verdict(name, 2, 1) == refused(errno.EAFNOSUPPORT)
+  assert verdict('setsockopt', 3, 1, 7) == refused(errno.EPERM)  # SO_SNDBUF
+  assert verdict('setsockopt', 3, 1, 2) == allow  # SO_REUSEADDR
+  assert verdict('setsockopt', 3, 6, 7) == allow  # not SOL_SOCKET
+  assert verdict('fcntl', 3, 6) == refused(errno.ENOLCK)  # F_SETLK
+  assert verdict('fcntl', 3, 1031) == refused(errno.EPERM)  # F_SETPIPE_SZ
+  assert verdict('fcntl', 3, 4) == allow  # F_SETFL
+  assert verdict('prctl', 0x53564D41) == refused(errno.EPERM)
+  assert verdict('prctl', 4) == allow  # PR_SET_DUMPABLE
+  # Another ABI's calls (i386 through int 0x80, x32) all fail.
+  assert _seccomp_verdict(program, 0x40000003, read) == refused(errno.EPERM)
+  if machine == 'x86_64':
+    assert _seccomp_verdict(program, arch, 0x40000000) == refused(errno.EPERM)
+  assert sandbox_kernel.seccomp_filter('riscv64') is None  # run without, warned
+
+
+def test_kernel_memory_bound_of_the_default_limits():
+  bound = sandbox.kernel_memory_bound()
+  limits, mb = sandbox.Limits(), 1 << 20
+  with open('/proc/sys/net/core/wmem_default') as f:
+    wmem = int(f.read())
+  with open('/proc/sys/vm/max_map_count') as f:
+    mappings = int(f.read())
+  objects = 16 * 64 + 64 + 253  # processes * open_files, in flight
+  assert bound == {
+      'tmp_data': 2 * 64 * mb,
+      'tmp_files': (2 * 4096 + 3) * 1600,  # + 2 roots and the stdin
+      'buffers': objects * (max(64 << 10, wmem * 3 // 2) + (8 << 10)),
+      'tasks': 16 * (64 << 10) + 64 * 1024,
+      'page_tables': 16 * mappings * (8192 + 512),
+      'total': sum(v for k, v in bound.items() if k != 'total'),
+  }
+  assert limits.tmp_mb == 64 and limits.tmp_files == 4096
+  # The budget: what no process's OOM score counts, with Linux's default
+  # 208 KB socket buffers. Page tables are in the OOM score.
+  assert bound['total'] - bound['page_tables'] < 600 * mb, bound
+  assert bound['tmp_data'] + bound['tmp_files'] < 150 * mb  # outlives runners
+  assert sandbox.kernel_memory_bound(limits, 5 * mb)['tmp_data'] == 133 * mb
+
+
+def test_without_cap_add_the_sandbox_still_works(monkeypatch, caplog,
+                                                 nothing_left):
+  # A setuid bwrap refuses --cap-add; an unknown capability fails alike.
+  monkeypatch.setattr(sandbox, '_HARNESS_CAPS', ('CAP_NO_SUCH_THING',))
+  monkeypatch.setattr(sandbox, '_owns_tmp_cache', {})
+  prog = ('import os\n'
+          'print(os.statvfs("/tmp").f_files > 10 ** 5, input())\n'
+          'os.memfd_create("x")')
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):
+      result = _one(prog, stdin='1', expected='True 1')
+      assert result.status == 'error' and 'Operation not permitted' in (
+          result.detail), result  # bwrap's tmpfs, seccomp still there
+      assert result.output == 'True 1\n', result
+  warnings = [r for r in caplog.records if 'tmp_files' in r.getMessage()]
+  assert len(warnings) == 1, caplog.text
+  assert 'NUMBER' in warnings[0].getMessage()
 
 
 # Parallel runs and configuration.

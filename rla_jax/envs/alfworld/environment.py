@@ -457,6 +457,16 @@ class AlfWorldEnv:
     derived['id'] = f'{root_id}.v{version}-{_key(derived)[:6]}'
     return derived
 
+  def reward_cases(self) -> list[base.RewardCase]:
+    """The first training game played by the planner's plan, and one turn
+    of 'look' (which wins no task)."""
+    spec = self.tasks('train')[0]
+    plan, why = play.solve(self.game(spec)['path'])
+    if not plan:
+      raise games.GenerationError(f'{spec["id"]}: {why}')
+    return [base.RewardCase("the planner's plan", spec, tuple(plan), True),
+            base.RewardCase("one turn of 'look'", spec, ('look',), False)]
+
   def _smoke_test(self, spec: dict[str, Any]) -> str | None:
     """None if the candidate loads and the planner solves it."""
     try:

@@ -269,6 +269,32 @@ class CodingEnv:
     del seed, max_turns  # fixed tests, one turn; the randomness is the policy's
     return CodingEpisode(spec, self.limits)
 
+  def reward_cases(self) -> list[base.RewardCase]:
+    """A stdin/stdout problem and a HumanEval-style assert check, each with
+    a right and a wrong program, through the sandbox as rollouts run it."""
+    limit = self.config.time_limit_s
+    io = {'id': 'reward-check-io', 'time_limit_s': limit,
+          'question': 'Read two integers and print their sum.',
+          'tests': [['1 2\n', '3\n'], ['-5 7\n', '2\n'],
+                    ['1000000000000 1\n', '1000000000001\n']]}
+    check = {'id': 'reward-check-assert', 'time_limit_s': limit,
+             'question': 'Complete add(a, b).',
+             'prompt': 'def add(a, b):\n    """Returns a + b."""\n',
+             'check': ('def check(candidate):\n'
+                       '    assert candidate(1, 2) == 3\n'
+                       '    assert candidate(-5, 7) == 2\n\n'
+                       'check(add)\n')}
+    read = 'a, b = map(int, input().split())\n'
+    return [
+        base.RewardCase('stdin/stdout: a right program', io,
+                        (read + 'print(a + b)\n',), True),
+        base.RewardCase('stdin/stdout: a wrong program', io,
+                        (read + 'print(a - b)\n',), False),
+        base.RewardCase('assert check: a right body', check,
+                        ('    return a + b\n',), True),
+        base.RewardCase('assert check: a wrong body', check,
+                        ('    return a - b\n',), False)]
+
   def policy_messages(self, spec, turns, observation):
     del turns, observation  # one turn; the problem is in the spec
     if spec.get('prompt'):

@@ -41,6 +41,33 @@ and its exit kills whatever the program left, so no zombie or process
 outlives a run (bwrap's own init would leave a zombie per run on this
 machine, see ENVIRONMENTS.md).
 
+Kernel memory (issue 31). Files, buffers and kernel objects cost memory that
+RLIMIT_AS does not count, and without a memory cgroup nothing else would:
+in 64 MB of /tmp, one program made 3.09 M empty files (up to 1.5 KB of
+kernel memory each). So each kind is bounded or closed, and
+`kernel_memory_bound` states what a program can still hold (0.56 GB per
+sandbox for the default Limits, plus page tables, see there):
+- /tmp and /dev/shm cap their inodes as well as their size (Limits.tmp_files:
+  files, directories and links alike). bwrap 0.8 cannot pass nr_inodes, so
+  the harness mounts both itself: bwrap raises CAP_SYS_ADMIN for it alone
+  (--cap-add, which an unprivileged user namespace allows), and it drops
+  every capability, bounding and ambient sets included, and sets
+  no_new_privs before any runner starts. A setuid bwrap refuses --cap-add:
+  then one warning, and bwrap's own tmpfs, whose files are not bounded.
+- A seccomp filter (bwrap --seccomp, for every process of the sandbox)
+  refuses what allocates kernel memory per call or per fd: memfd_create (an
+  uncapped internal tmpfs), SysV shared memory, message queues and
+  semaphores, POSIX message queues, io_uring, BPF, perf events; epoll,
+  inotify and fanotify (watches); splice, tee, vmsplice and sendfile (pipe
+  and socket slots that pin pages); every socket but a unix stream one,
+  listen() (one listener held 0.9 GB in unaccepted connections), larger
+  socket buffers or pipes, byte-range locks and names of mappings. Python's
+  multiprocessing (not its managers), subprocess, threads and tempfile keep
+  working; asyncio's event loop (epoll) and sqlite3 files (locks) do not.
+- Runners get RLIMIT_MSGQUEUE 0, RLIMIT_SIGPENDING 64 and oom_score_adj
+  1000: page tables, which no limit here bounds, count in a process's OOM
+  score, so under memory pressure the kernel kills runners first.
+
 Programs get the host's system Python (Limits.python) with its standard
 library only: `-I -S`, so no site-packages (and no numpy).
 
@@ -64,6 +91,8 @@ import shutil
 import subprocess
 import threading
 from typing import Any, Union
+
+from rla_jax.envs.coding import sandbox_kernel
 
 OK = 'ok'
 WRONG_ANSWER = 'wrong_answer'
@@ -134,6 +163,7 @@ class Limits:
   file_mb: int = 16  # RLIMIT_FSIZE: largest file the program may write
   output_mb: int = 16  # captured stdout per test
   tmp_mb: int = 64  # size of the private /tmp and of /dev/shm
+  tmp_files: int = 4096  # files, directories and links in each of them
   open_files: int = 64  # RLIMIT_NOFILE
   wall_factor: float = 3.0  # wall limit per test = factor * time + extra
   wall_extra_s: float = 1.0
@@ -245,10 +275,18 @@ def expected_digest(expected: str) -> bytes:
 _RANGES = {'memory_mb': (1, True), 'stack_mb': (1, True),
            'processes': (1, True), 'file_mb': (1, True),
            'output_mb': (1, True), 'tmp_mb': (1, True),
+           'tmp_files': (1, True),
            'open_files': (4, True), 'wall_factor': (1.0, False),
            'wall_extra_s': (0.0, False), 'keep_output': (0, True),
            'uid_base': (0, True)}
 _MAX_TIME_S = 86400.0
+
+
+def kernel_memory_bound(limits: Limits | None = None,
+                        largest_input: int = 0) -> dict[str, int]:
+  """Bytes of kernel memory one sandbox can hold outside RLIMIT_AS, at worst
+  (sandbox_kernel.kernel_memory_bound, which lists the items)."""
+  return sandbox_kernel.kernel_memory_bound(limits or Limits(), largest_input)
 
 
 def _check_limits(limits: Limits, time_limit_s: float):
@@ -290,6 +328,9 @@ def _harness_limits(limits: Limits, time_limit_s: float,
   out['file_bytes'] = max(limits.file_mb << 20, largest + 1)
   # Backstop only: the harness enforces the per-test CPU limit itself.
   out['cpu_total_s'] = int(len(tests) * (time_limit_s + 1)) + 5
+  out['signals'] = sandbox_kernel.SIGNALS_PENDING
+  out['tmp'] = sandbox_kernel.tmp_mounts(limits, largest)
+  out['own_tmp'] = False  # whether the harness mounts them (_owns_tmp)
   return out
 
 
@@ -337,8 +378,12 @@ def _root_binds() -> list[str]:
   return args
 
 
-def _command(limits: Limits, uid: int) -> list[str]:
-  """The argv of one sandboxed harness."""
+def _command(limits: Limits, uid: int, mounts: list[tuple[str, int, int]],
+             own_tmp: bool = False,
+             seccomp_fd: int | None = None) -> list[str]:
+  """The argv of one sandboxed harness. With `own_tmp` the harness mounts
+  /tmp and /dev/shm itself (bwrap cannot cap their inodes) and bwrap raises
+  the capabilities it needs for that; `seccomp_fd` holds the filter."""
   python = [limits.python, '-I', '-S', '-c', _BOOT]
   bwrap, setpriv = shutil.which('bwrap'), shutil.which('setpriv')
   # As root, drop to the slot's uid first (bwrap itself then needs no
@@ -352,14 +397,24 @@ def _command(limits: Limits, uid: int) -> list[str]:
     return drop + python
   # bwrap < 0.8 (e.g. Ubuntu 22.04) lacks --size and --disable-userns.
   modern = _bwrap_version(bwrap) >= (0, 8)
-  size = ['--size', str(limits.tmp_mb << 20)] if modern else []
+  sizes = {path: size for path, size, _ in mounts}
+
+  def tmpfs(path):
+    if own_tmp:
+      return ['--dir', path]  # a mount point for the harness's tmpfs
+    return (['--size', str(sizes[path])] if modern else []) + [
+        '--tmpfs', path]
+
+  caps = [a for cap in _HARNESS_CAPS for a in ('--cap-add', cap)]
   return drop + [
       bwrap, '--unshare-all', '--unshare-user',
       *(['--disable-userns'] if modern else []),
       '--die-with-parent', '--new-session', '--as-pid-1', *_root_binds(),
       '--proc', '/proc', '--dev', '/dev',
-      *size, '--tmpfs', '/dev/shm', '--remount-ro', '/dev',
-      *size, '--tmpfs', '/tmp', '--remount-ro', '/',
+      *tmpfs('/dev/shm'), '--remount-ro', '/dev',
+      *tmpfs('/tmp'), '--remount-ro', '/',
+      *(caps if own_tmp else []),
+      *(['--seccomp', str(seccomp_fd)] if seccomp_fd is not None else []),
       '--chdir', '/tmp', '--clearenv',
       '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp',
       '--setenv', 'LANG', 'C.UTF-8', '--setenv', 'OMP_NUM_THREADS', '1',
@@ -405,30 +460,85 @@ def _execute(job: dict[str, Any], expected: list[bytes | None],
   if not os.path.exists(limits.python):
     raise SandboxUnavailable(f'no interpreter at {limits.python} '
                              '(config.env.sandbox.python)')
-  code = _compiled(limits.python, _HARNESS)
   # The harness starts every runner from this code (compiling the runner's
   # source in each one would cost ~3 ms).
   job = dict(job, runner=_compiled(limits.python, _RUNNER))
+  slot = _acquire_slot()
+  try:
+    uid = _uid_base(limits) + slot
+    job['limits'] = dict(job['limits'], own_tmp=_owns_tmp(limits, uid))
+    stdout, stderr, returncode = _start(job, limits, uid, timeout_s)
+  finally:
+    _release_slot(slot)
+  return _parse(stdout, stderr, returncode, job, expected)
+
+
+def _start(job: dict[str, Any], limits: Limits, uid: int,
+           timeout_s: float) -> tuple[bytes, bytes, int]:
+  """Runs one harness on `job` to its end: (stdout, stderr, exit status)."""
+  code = _compiled(limits.python, _HARNESS)
   payload = marshal.dumps(job, 4)
   payload = b''.join((len(code).to_bytes(4, 'big'), code,
                       len(payload).to_bytes(4, 'big'), payload))
-  slot = _acquire_slot()
+  seccomp = sandbox_kernel.seccomp_fd() if available() else None
   try:
-    cmd = _command(limits, _uid_base(limits) + slot)
+    cmd = _command(limits, uid, job['limits']['tmp'],
+                   job['limits']['own_tmp'], seccomp)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-      stdout, stderr = proc.communicate(payload, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      _kill_tree(proc)
-      raise SandboxError(f'the sandbox did not finish in {timeout_s:.0f} s '
-                         f'({len(job["tests"])} tests)') from None
-    except BaseException:
-      _kill_tree(proc)
-      raise
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            pass_fds=() if seccomp is None else (seccomp,))
   finally:
-    _release_slot(slot)
-  return _parse(stdout, stderr, proc.returncode, job, expected)
+    if seccomp is not None:
+      os.close(seccomp)  # bwrap holds its own copy
+  try:
+    stdout, stderr = proc.communicate(payload, timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    _kill_tree(proc)
+    raise SandboxError(f'the sandbox did not finish in {timeout_s:.0f} s '
+                       f'({len(job["tests"])} tests)') from None
+  except BaseException:
+    _kill_tree(proc)
+    raise
+  return stdout, stderr, proc.returncode
+
+
+# The harness's own /tmp and /dev/shm: CAP_SYS_ADMIN to mount them in its
+# user namespace, CAP_SETPCAP to empty its bounding set afterwards.
+_HARNESS_CAPS = ('CAP_SYS_ADMIN', 'CAP_SETPCAP')
+_owns_tmp_cache: dict[str, bool] = {}  # bwrap path -> probed
+
+
+def _owns_tmp(limits: Limits, uid: int) -> bool:
+  """Whether the harness mounts /tmp and /dev/shm itself, with an inode cap.
+
+  bwrap must raise capabilities for it (--cap-add), which a setuid bwrap
+  refuses to anyone but root. Probed once per bwrap with an empty job; where
+  that fails: one warning, and bwrap's tmpfs, whose inodes are not capped.
+  """
+  if not available():
+    return False
+  bwrap = shutil.which('bwrap')
+  with _lock:
+    known = _owns_tmp_cache.get(bwrap)
+  if known is not None:
+    return known
+  probe = {'program': '', 'tests': [], 'time_limit_s': 1.0,
+           'token': secrets.token_hex(16),
+           'limits': dict(_harness_limits(limits, 1.0, []), own_tmp=True)}
+  try:
+    _parse(*_start(probe, limits, uid, _GRACE_S), probe, [])
+    owns, why = True, ''
+  except SandboxError as e:
+    owns, why = False, str(e)
+  with _lock:
+    first = bwrap not in _owns_tmp_cache
+    _owns_tmp_cache.setdefault(bwrap, owns)
+  if first and not owns:
+    logging.warning('the sandbox cannot mount its own /tmp (%s): the NUMBER '
+                    'of files a program makes in /tmp and /dev/shm is not '
+                    'bounded (Limits.tmp_files), only their size',
+                    why[-300:])
+  return owns
 
 
 _code_cache: dict[tuple[str, str], bytes] = {}

@@ -22,7 +22,10 @@ cannot trace this process or open its /proc fds (this process is
 non-dumpable). Its events are plain text, parsed here without unmarshalling.
 An assert-style check runs in a second, non-dumpable runner that calls the
 program's functions through plain values (sandbox_runner.py); only that
-runner's event makes a check pass.
+runner's event makes a check pass. Where the host asks (job limits
+'own_tmp'), this process first mounts /tmp and /dev/shm with an inode cap,
+then gives up every capability bwrap raised for it (_own_tmp): no runner
+ever holds one.
 """
 
 import _signal as signal  # the `signal` module imports enum (~3 ms)
@@ -98,32 +101,86 @@ def digest(data):
   return sha256(b' '.join(data.split())).digest()
 
 
-def _prctl():
-  """libc's prctl through _ctypes alone (the ctypes package costs ~1 ms)."""
+def _libc(*names):
+  """libc's functions `names` through _ctypes alone (the ctypes package
+  costs ~1 ms): ints and bytes in, an int out, errno kept for _errno()."""
+  try:
+    import _ctypes  # pylint: disable=g-import-not-at-top
+
+    class Int(_ctypes._SimpleCData):  # pylint: disable=protected-access
+      _type_ = 'i'
+
+    class Function(_ctypes.CFuncPtr):
+      _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+      _restype_ = Int
+
+    class Libc:
+      _handle = _ctypes.dlopen(None, 0)
+
+    return [Function((name, Libc())) for name in names]
+  except Exception:  # pylint: disable=broad-except
+    import ctypes  # pylint: disable=g-import-not-at-top
+    libc = ctypes.CDLL(None, use_errno=True)
+    return [getattr(libc, name) for name in names]
+
+
+def _errno():
+  """errno of the last _libc call that failed."""
   import _ctypes  # pylint: disable=g-import-not-at-top
+  return _ctypes.get_errno()
 
-  class Int(_ctypes._SimpleCData):  # pylint: disable=protected-access
-    _type_ = 'i'
 
-  class Function(_ctypes.CFuncPtr):
-    _flags_ = _ctypes.FUNCFLAG_CDECL
-    _restype_ = Int
-
-  class Libc:
-    _handle = _ctypes.dlopen(None, 0)
-
-  return Function(('prctl', Libc()))
+def _ok(result, what):
+  """Raises HarnessError naming `what` and errno when a libc call failed."""
+  if result != 0:
+    code = _errno()
+    raise HarnessError(f'{what}: {os.strerror(code)} (errno {code})')
 
 
 def _nondumpable():
   """Keeps the runners from ptrace-ing us or opening /proc/1/fd (same uid)."""
-  try:
-    prctl = _prctl()
-  except Exception:  # pylint: disable=broad-except
-    import ctypes  # pylint: disable=g-import-not-at-top
-    prctl = ctypes.CDLL(None).prctl
-  if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-    raise HarnessError('prctl(PR_SET_DUMPABLE, 0) failed')
+  prctl, = _libc('prctl')
+  _ok(prctl(4, 0, 0, 0, 0), 'prctl(PR_SET_DUMPABLE, 0)')
+
+
+_CLONE_NEWNS = 0x20000
+_MS_NOSUID, _MS_NODEV = 2, 4
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_CAP_VERSION_3 = 0x20080522
+_EINVAL = 22
+
+
+def _own_tmp(mounts):
+  """Mounts /tmp and /dev/shm with their size and inode caps, then gives up
+  every capability, before any runner exists.
+
+  bwrap cannot cap a tmpfs's inodes, so it raised CAP_SYS_ADMIN and
+  CAP_SETPCAP for this process alone, in the sandbox's user namespace.
+  bwrap's mount namespace refuses mounts even so (it belongs to another
+  user namespace): hence one of our own, which the runners inherit. Without
+  the cap, a program fills 64 MB of /tmp with millions of empty files, each
+  up to ~1.5 KB of kernel memory outside every limit.
+  """
+  unshare, mount, prctl, capset = _libc('unshare', 'mount', 'prctl',
+                                        'capset')
+  _ok(unshare(_CLONE_NEWNS), 'unshare(CLONE_NEWNS)')
+  for path, size, inodes in mounts:
+    options = f'size={size},nr_inodes={inodes},mode=1777,huge=never'
+    _ok(mount(b'tmpfs', path.encode(), b'tmpfs', _MS_NOSUID | _MS_NODEV,
+              options.encode()), f'mount tmpfs on {path}')
+  os.chdir('/tmp')  # our cwd was the mount point underneath
+  # Ambient capabilities would survive execve into the runners.
+  _ok(prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0),
+      'prctl(PR_CAP_AMBIENT_CLEAR_ALL)')
+  for cap in range(64):  # up to cap_last_cap, where the kernel says EINVAL
+    if prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+      if _errno() == _EINVAL and cap:
+        break
+      _ok(-1, f'prctl(PR_CAPBSET_DROP, {cap})')
+  header = _CAP_VERSION_3.to_bytes(4, sys.byteorder) + bytes(4)  # pid 0
+  _ok(capset(header, bytes(24)), 'capset(none)')  # effective, permitted, ...
+  _ok(prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 'prctl(PR_SET_NO_NEW_PRIVS)')
 
 
 def _cpu_s(pid, tick):
@@ -508,6 +565,8 @@ def main():
   _nondumpable()
   size = int.from_bytes(_read_exact(0, 4), 'big')
   job = marshal.loads(_read_exact(0, size))
+  if job['limits']['own_tmp']:
+    _own_tmp(job['limits']['tmp'])
   Harness(job).run()
   os._exit(0)  # everything is written; skip the interpreter's teardown
 

@@ -502,6 +502,14 @@ class TextWorldEnv:
     derived['id'] = f'{root_id}.v{version}-{game_key(derived)[:6]}'
     return derived
 
+  def reward_cases(self) -> list[base.RewardCase]:
+    """The first training game played by its walkthrough, and one turn of
+    'look' (which wins no quest)."""
+    spec = self.tasks('train')[0]
+    walkthrough = tuple(self.game(spec)['walkthrough'])
+    return [base.RewardCase('the walkthrough', spec, walkthrough, True),
+            base.RewardCase("one turn of 'look'", spec, ('look',), False)]
+
   def _smoke_test(self, spec: dict[str, Any]) -> str | None:
     """None if the game generates, loads and its walkthrough wins."""
     try:
