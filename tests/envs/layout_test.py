@@ -30,8 +30,8 @@ STAGES = {'rla_jax.' + m for m in (
     'train_epoch', 'chat', 'sampler', 'runtime', 'main')}
 # Scripts the system python3 runs (the desktop's server, with pyatspi and
 # Xlib), not importable in the training environment.
-SCRIPTS = {'rla_jax.envs.osworld.desktop_server',
-           'rla_jax.envs.osworld.desktop_a11y'}
+SCRIPTS = {f'rla_jax.envs.osworld.desktop_{m}'
+           for m in ('server', 'a11y', 'setup', 'files', 'windows')}
 SETTINGS = ('tiny', 'textworld', 'alfworld', 'coding', 'osworld')
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from rla_jax import curator
 from rla_jax import loop
+from rla_jax import reward_check
 from rla_jax.envs.osworld import desktops
 from rla_jax.envs.osworld import environment as osworld
 
@@ -109,6 +110,17 @@ def test_every_task_fails_before_and_passes_after_its_solution(env):
         assert episode.desktop.evaluate(spec, name), (spec['id'], name)
     finally:
       episode.close()
+
+
+def test_reward_check_solves_a_task_and_catches_a_lying_evaluator(
+    env, monkeypatch):
+  cases, seconds = reward_check.check(env, 'osworld')
+  assert cases == 2 and seconds < 60
+  monkeypatch.setattr(desktops.Local, 'evaluate', lambda *_: True)
+  with pytest.raises(reward_check.RewardCheckFailed,
+                     match="case 'xterm-make-folder at its start' .a known "
+                           'fail. scored [+]1'):
+    reward_check.check(env, 'osworld')
 
 
 def test_typed_text_shows_in_the_accessibility_tree(env):

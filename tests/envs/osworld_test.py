@@ -82,6 +82,8 @@ def test_bad_task_file_names_the_file(tmp_path):
                                              'path': 3, 'exists': True}),
      r'evaluators\.moved: evaluator \'file_exists\': "path" must be str; '
      r'got 3'),
+    (lambda s: s.update(network='yes'), r'"network" \(whether the task\'s '
+     r'apps may reach the network; default false\) is true or false'),
 ])
 def test_a_bad_task_step_is_named_at_load_time(tmp_path, change, message):
   spec = [t for t in osworld.load_tasks(osworld.TASK_DIR)

@@ -1,54 +1,92 @@
 """The OSWorld controller's HTTP API for a local desktop (no VM).
 
-  /usr/bin/python3 desktop_server.py --host 127.0.0.1 --port 5000 \
+  /usr/bin/python3 desktop_server.py --socket /tmp/rla_desktop_99/server.sock \
       --home /tmp/rla_desktop_99/home --python .venv/bin/python
 
 launch/desktop.sh starts it inside a desktop (Xvfb, D-Bus, the AT-SPI bus,
 openbox) whose DISPLAY, XAUTHORITY and DBUS_SESSION_BUS_ADDRESS it
-inherits. It answers OSWorld's `PythonController` with the same paths and
-JSON as OSWorld's desktop_env/server/main.py:
+inherits. It answers OSWorld's `PythonController` and `SetupController`
+with the same paths and JSON as OSWorld's desktop_env/server/main.py
+(handlers past the first block live in desktop_setup.py, next to it):
 
   GET  /screenshot     PNG of the whole screen, mouse cursor drawn in
   GET  /accessibility  {"AT": xml}: the AT-SPI tree of every application
   POST /execute        {"command": list | str, "shell": bool, "timeout": s}
-                       -> {"status", "output", "error", "returncode"}; a
+   and /setup/execute  -> {"status", "output", "error", "returncode"}; a
                        command that cannot run or times out answers status
                        "error" (HTTP 200: the command failed, not the server)
-  POST /setup/launch   {"command", "shell"}: start an app in the background
-  POST /file           form field file_path -> the file's bytes (404 if none)
   GET  /platform       "Linux"
   POST /screen_size    {"width", "height"}
-  POST /local/reset    ours, the stand-in for a VM snapshot revert: kills
-                       what /execute and /setup/launch started, closes the
-                       remaining windows, releases held keys and buttons and
-                       empties --home
+  POST /local/reset    ours, the stand-in for a VM snapshot revert
+                       ({"network": bool}, the next task's: default off): kills
+                       what was started here, closes the remaining windows,
+                       releases held keys and buttons, ends a recording,
+                       clears the wallpaper and empties --home
 
-Commands run with HOME and cwd = --home, and `python` / `python3` are the
---python interpreter (a venv with pyautogui). An agent drives the apps, so
-they and every command run under bubblewrap: the host's files read-only,
-only --home and the desktop's run dir writable (--no-sandbox: as is). Every process started here
-carries RLA_DESKTOP_APP=<this server's id> in its environment, which is how
-a reset finds them all, including what they started in the background.
+  POST /setup/launch   {"command", "shell"}: start an app in the background
+  POST /execute_with_verification (and /setup/...)  {"command", "shell",
+                       "verification": {"window_exists", "command_success"},
+                       "max_wait_time", "check_interval"}: 500 if unverified
+  POST /run_python     {"code"} -> {"status", "message", "output", "error",
+                       "return_code", "need_more"}, 30 s
+  POST /run_bash_script  {"script", "timeout", "working_dir"} -> {"status",
+                       "output" (stderr merged in), "error": "", "returncode"}
+  GET  /terminal       {"output": text of the focused a11y terminal | null}
+  GET  /cursor_position  [x, y]
+  POST /file           form file_path -> the file's bytes (see below)
+  POST /setup/upload   multipart file_path + file_data: writes the file
+  POST /list_directory {"path"} -> {"directory_tree": nested dicts}
+  POST /desktop_path   {"desktop_path"}, 404 without ~/Desktop
+  POST /window_size    form app_class_name -> {"width", "height"}
+  POST /setup/open_file  {"path"}: opens it with its app (.desktop entries)
+                       and waits for its window; a bare app name starts it
+  POST /setup/activate_window, /setup/close_window  {"window_name",
+                       "strict", "by_class"}: wmctrl's matching, via EWMH
+  POST /setup/change_wallpaper  {"path"}: painted as the root background
+  POST /wallpaper      the picture set, 404 if none
+  POST /start_recording, /end_recording  ffmpeg x11grab -> MP4 bytes; 501
+                       when ffmpeg is not installed
+  POST /setup/download_file  501: needs the internet (upload files instead)
+
+Paths in requests name files as the apps see them: relative or `~` from
+the home, absolute under the apps' HOME, OSWorld's /home/user or --home;
+anything out of the home (`..`, other absolute paths, symlinks leading
+out) is refused with 403; /file serves regular files only (FIFOs,
+devices, sockets refused at once), up to 64 MB. Request bodies are capped
+(1 MB, 64 MB for uploads); a bad Content-Length answers 400 (413 when
+over the cap) before anything is read, and a client that stalls is
+dropped after 30 s without holding up others (a thread per connection).
+
+Commands run with `python` / `python3` the --python interpreter (a venv
+with pyautogui). An agent drives the apps, so each of them and every
+command runs in a jail of its own (desktop_jail.py: the system read-only,
+--home writable at /home/user, no network unless the task asks, an
+allowlisted environment, its own PID namespace). A reset kills the jails,
+and with them every process inside, however it detached; processes of
+--no-sandbox (as is) are found by RLA_DESKTOP_APP=<this server's id> in
+their environment.
 
 It runs with the system python3 (pyatspi is a Debian package) and imports
-only the standard library, pyatspi (desktop_a11y.py, next to it), PIL and
-Xlib. It binds to a loopback address only: anyone who reaches it can run
-any command.
+only the standard library, pyatspi (desktop_a11y.py, next to it, as are
+desktop_jail.py and desktop_setup.py), PIL and Xlib. Anyone who reaches it
+can run any command, so it listens on a unix socket only (no TCP), made 0600
+in a directory that must be ours and closed to others (desktop.sh's 0700 run
+dir): no other uid can connect, nor bind an impostor there after we die.
 """
 
 import argparse
+from concurrent import futures
 import http.server
 import io
-import ipaddress
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
-import socket
+import socketserver
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -59,33 +97,28 @@ import uuid
 import xml.etree.ElementTree as ET
 
 import desktop_a11y  # this folder (the script's): pyatspi first
+import desktop_jail  # this folder too
+import desktop_setup  # this folder too
+import desktop_windows  # this folder too
 from gi.repository import Atspi  # pylint: disable=wrong-import-order
-from PIL import Image
 from PIL import ImageGrab
 import Xlib.display
 import Xlib.error
 import Xlib.X
-from Xlib.ext import xtest
 
-EXECUTE_TIMEOUT_S = 120.0  # OSWorld's
-OUTPUT_LIMIT = 4 << 20  # bytes of stdout / stderr returned by /execute
 RESET_WAIT_S = 3.0
+REQUEST_TIMEOUT_S = 30.0  # a client that stalls this long is dropped
 TAG_VAR = 'RLA_DESKTOP_APP'
 
 
-class RequestError(Exception):
-  """A bad request: answered with this HTTP status and message."""
-
-  def __init__(self, status, message):
-    super().__init__(message)
-    self.status = status
+RequestError = desktop_setup.RequestError
 
 
 def parse_args(argv):
-  """Flags, with the host checked to be loopback and --home to be safe."""
+  """Flags, with the socket's folder checked private and --home safe."""
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--host', default='127.0.0.1')
-  p.add_argument('--port', type=int, default=5000)
+  p.add_argument('--socket', required=True, help='the unix socket to listen '
+                 'on; its folder must be ours with no group or other access')
   p.add_argument('--home', required=True)
   p.add_argument('--python', default=sys.executable)
   p.add_argument('--no-sandbox', dest='sandbox', action='store_false',
@@ -96,16 +129,12 @@ def parse_args(argv):
   if args.sandbox and not shutil.which('bwrap'):
     p.error('apps run under bubblewrap, which is not installed (apt-get '
             'install bubblewrap), or pass --no-sandbox')
-  host = '127.0.0.1' if args.host == 'localhost' else args.host
-  try:
-    loopback = ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    loopback = False
-  if not loopback:
-    p.error(f'refusing --host {args.host}: this server runs any command it '
-            'is sent, so it binds to a loopback address only (127.0.0.1, '
-            '::1 or localhost)')
-  args.host = host
+  args.socket = os.path.abspath(args.socket)
+  problem = _private_dir_problem(os.path.dirname(args.socket))
+  if problem:
+    p.error(f'refusing --socket {args.socket}: this server runs any command '
+            f'it is sent, so its folder must be ours and closed to others '
+            f'(0700); it is {problem}')
   args.home = os.path.realpath(os.path.expanduser(args.home))
   # rla_jax/envs/osworld/desktop_server.py -> the checkout
   repo = os.path.realpath(__file__).rsplit(os.sep, 4)[0]
@@ -122,45 +151,84 @@ def parse_args(argv):
   return args
 
 
+def _private_dir_problem(folder):
+  """Why folder may not hold our socket, or None when it may.
+
+  A 0700 folder of ours is one that no other uid can enter (to connect) or
+  write (to bind a socket of its own after we died).
+  """
+  try:
+    st = os.lstat(folder)
+  except OSError as e:
+    return f'not there ({e.strerror})'
+  if not stat.S_ISDIR(st.st_mode):
+    return 'not a directory'
+  if st.st_uid != os.geteuid():
+    return f'owned by uid {st.st_uid}, not by us (uid {os.geteuid()})'
+  if st.st_mode & 0o077:
+    return f'mode {stat.S_IMODE(st.st_mode):o}, open to group or others'
+  return None
+
+
 class Desktop:
   """What the handlers share: the X connection, the apps started, the lock."""
 
   def __init__(self, home, python, sandbox=True):
     self.home, self.python = home, python
-    # The agent drives these apps: under bubblewrap they see the host
-    # read-only, writing only their home and the desktop's run dir (its
-    # sockets and X authority live there); the X socket is reachable read-only.
-    writable = [home] + [d for d in (os.environ.get('RLA_DESKTOP_RUN'),) if d]
-    self.jail = [shutil.which('bwrap'), '--ro-bind', '/', '/', '--dev-bind',
-                 '/dev', '/dev', '--proc', '/proc'] + [
-                     a for d in writable for a in ('--bind', d, d)] + [
-                         '--'] if sandbox else []
+    self.sandbox = sandbox
+    self.python_roots = desktop_jail.python_roots(python)
+    self.network = False  # the current task's (POST /local/reset)
     self.tag = uuid.uuid4().hex
     os.makedirs(home, exist_ok=True)
     self.bin_dir = tempfile.mkdtemp(  # in desktop.sh's run dir if any
         prefix='rla_desktop_bin_', dir=os.environ.get('RLA_DESKTOP_RUN'))
+    os.chmod(self.bin_dir, 0o755)  # read by the jails, which hold no groups
     for name in ('python', 'python3'):  # for shell commands and scripts
       path = os.path.join(self.bin_dir, name)
       with open(path, 'w') as f:
         f.write(f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n')
       os.chmod(path, 0o755)
-    self.env = dict(os.environ)
-    for name in ('PYTHONPATH', 'PYTHONHOME', 'VIRTUAL_ENV'):
-      self.env.pop(name, None)
-    self.env.update({
-        'HOME': home, TAG_VAR: self.tag,
-        'PATH': self.bin_dir + os.pathsep + os.environ.get('PATH', ''),
-        'XDG_SESSION_TYPE': 'x11',
-        # Settings in ~/.config (emptied by a reset), not in dconf.
-        'GSETTINGS_BACKEND': 'keyfile',
-    })
     self.display_name = os.environ.get('DISPLAY', ':0')
     self.x = Xlib.display.Display(self.display_name)
+    if sandbox:
+      desktop_jail.write_identity(self.bin_dir)  # bound at /etc/passwd, group
+      # The agent drives these apps: each command gets a jail of its own
+      # (desktop_jail.py) with an allowlisted environment.
+      self.environ = dict(os.environ)
+      bus = self._a11y_bus()
+      if bus:
+        self.environ['AT_SPI_BUS_ADDRESS'] = bus
+      self.env = desktop_jail.environment(self.environ, {TAG_VAR: self.tag})
+      self.host_path = os.pathsep.join((self.bin_dir, '/usr/local/bin',
+                                        '/usr/bin', '/bin'))
+    else:
+      self.env = dict(os.environ)
+      for name in ('PYTHONPATH', 'PYTHONHOME', 'VIRTUAL_ENV'):
+        self.env.pop(name, None)
+      self.env.update({
+          'HOME': home, TAG_VAR: self.tag,
+          'PATH': self.bin_dir + os.pathsep + os.environ.get('PATH', ''),
+          'XDG_SESSION_TYPE': 'x11',
+          # Settings in ~/.config (emptied by a reset), not in dconf.
+          'GSETTINGS_BACKEND': 'keyfile',
+      })
+      self.host_path = self.env['PATH']
     self.x_lock = threading.Lock()
     self.a11y_lock = threading.Lock()
     self.procs_lock = threading.Lock()
     self.procs = []  # Popen of /setup/launch and running /execute commands
     self.groups = set()  # their process groups
+    self.spawner = futures.ThreadPoolExecutor(1, thread_name_prefix='spawn')
+
+  def _a11y_bus(self):
+    """The AT-SPI bus address the launcher put on the root window, or ''."""
+    try:
+      value = self.x.screen().root.get_full_property(
+          self.x.intern_atom('AT_SPI_BUS'), Xlib.X.AnyPropertyType)
+    except Xlib.error.XError:
+      return ''
+    data = value.value if value else b''
+    return data.decode() if isinstance(data, bytes) else str(data or '')
 
   def close(self):
     try:
@@ -171,23 +239,42 @@ class Desktop:
   # -- processes ------------------------------------------------------------
 
   def popen(self, command, shell, **kwargs):
-    """Starts command in its own process group, in the apps' environment."""
+    """Starts command in its own process group, in the apps' environment
+    (and, sandboxed, in a jail of its own: desktop_jail.py, whose process
+    lives on while anything the command started runs; the object returned
+    waits for the command alone)."""
     if not shell and command and command[0] in ('python', 'python3'):
       command = [self.python] + command[1:]
-    if self.jail:
-      if not shell and not shutil.which(command[0], path=self.env['PATH']):
+    status = None
+    if self.sandbox:
+      if not shell and not shutil.which(command[0], path=self.host_path):
         raise FileNotFoundError(f'no program {command[0]!r}')
-      command = self.jail + (['/bin/sh', '-c', command] if shell else
-                             list(command))
+      status, status_w = os.pipe()
+      command = desktop_jail.command(
+          ['/bin/sh', '-c', command] if shell else list(command),
+          home=self.home, bin_dir=self.bin_dir, identity_dir=self.bin_dir,
+          python_roots=self.python_roots, environ=self.environ,
+          status_fd=status_w, network=self.network)
       shell = False
-    proc = subprocess.Popen(command, shell=shell, cwd=self.home, env=self.env,
-                            stdin=subprocess.DEVNULL, start_new_session=True,
-                            **kwargs)
+      kwargs['pass_fds'] = (status_w,)
+    try:
+      # From one long-lived thread: bwrap's --die-with-parent fires when the
+      # thread that started it ends, and a request's thread ends with it.
+      proc = self.spawner.submit(
+          subprocess.Popen, command, shell=shell, cwd=self.home, env=self.env,
+          stdin=subprocess.DEVNULL, start_new_session=True, **kwargs).result()
+    except BaseException:
+      if status is not None:
+        os.close(status)
+      raise
+    finally:
+      if status is not None:
+        os.close(status_w)
     with self.procs_lock:
       self.procs = [p for p in self.procs if p.poll() is None]
       self.procs.append(proc)
       self.groups.add(proc.pid)
-    return proc
+    return proc if status is None else desktop_jail.Jailed(proc, status)
 
   def tagged(self):
     """{pid: process group} of every live process carrying our tag."""
@@ -207,12 +294,16 @@ class Desktop:
   def kill_apps(self):
     """SIGKILLs everything started here (and its groups) until none is left.
 
-    Rounds repeat until no live process carries our tag, so a child forked
-    while we kill is found in the next round.
+    A jailed command's bwrap takes its whole PID namespace with it (the
+    jail's init dies with it), so nothing started inside survives, however
+    it detached; rounds repeat until no process is left in those
+    namespaces and none carries our tag (unsandboxed apps, and a child
+    forked while we kill).
     """
     with self.procs_lock:
       procs, self.procs = self.procs, []
       groups, self.groups = self.groups, set()
+    jails = desktop_jail.pid_namespaces(p.pid for p in procs if p.poll() is None)
     own = os.getpgid(0)
     deadline = time.monotonic() + RESET_WAIT_S
     while True:
@@ -220,6 +311,7 @@ class Desktop:
         if proc.poll() is None:
           _signal(-proc.pid)
       victims = self.tagged()
+      victims.update(desktop_jail.members(jails))
       if not victims:
         return
       if time.monotonic() > deadline:
@@ -248,50 +340,6 @@ class Desktop:
       return screen.width_in_pixels, screen.height_in_pixels
     return self.with_x(size)
 
-  def cursor(self):
-    """(RGBA image, top-left x, y) of the mouse cursor, or None."""
-
-    def grab(d):
-      if not d.has_extension('XFIXES'):
-        return None
-      d.xfixes_query_version()
-      c = d.xfixes_get_cursor_image(d.screen().root)
-      if not c.width or not c.height:
-        return None
-      data = struct.pack(f'={len(c.cursor_image)}I', *c.cursor_image)
-      raw = 'BGRA' if sys.byteorder == 'little' else 'ARGB'
-      image = Image.frombytes('RGBA', (c.width, c.height), data, 'raw', raw)
-      return image, c.x - c.xhot, c.y - c.yhot
-    try:
-      return self.with_x(grab)
-    except Exception:  # pylint: disable=broad-except
-      return None  # the cursor is optional
-
-  def close_windows_and_release_input(self):
-    """Disconnects every managed window's client; releases keys, buttons."""
-
-    def run(d):
-      root = d.screen().root
-      clients = root.get_full_property(d.intern_atom('_NET_CLIENT_LIST'),
-                                       Xlib.X.AnyPropertyType)
-      catch = Xlib.error.CatchError()
-      for window in (clients.value if clients else []):
-        d.create_resource_object('window', window).kill_client(onerror=catch)
-      keymap = d.query_keymap()
-      for i, byte in enumerate(keymap):
-        for bit in range(8):
-          if byte >> bit & 1:
-            xtest.fake_input(d, Xlib.X.KeyRelease, i * 8 + bit)
-      mask = root.query_pointer().mask
-      for button in range(1, 6):
-        if mask & (Xlib.X.Button1Mask << (button - 1)):
-          xtest.fake_input(d, Xlib.X.ButtonRelease, button)
-      screen = d.screen()
-      root.warp_pointer(screen.width_in_pixels // 2,
-                        screen.height_in_pixels // 2)
-      d.sync()
-    self.with_x(run)
-
 
 def _signal(pid_or_group):
   try:
@@ -302,94 +350,9 @@ def _signal(pid_or_group):
 
 # -- handlers -----------------------------------------------------------------
 
-def _command(data):
-  """(command, shell) of an /execute or /setup/launch body, OSWorld's way."""
-  if not isinstance(data, dict):
-    raise RequestError(400, 'expected a JSON object body')
-  shell = bool(data.get('shell', False))
-  command = data.get('command', '' if shell else [])
-  if isinstance(command, str) and not shell:
-    command = shlex.split(command)
-  if isinstance(command, list):
-    command = [str(a) for a in command]
-  if not command:
-    raise RequestError(400, 'no "command" given')
-  if shell and isinstance(command, list):
-    command = ' '.join(shlex.quote(a) for a in command)
-  return command, shell
-
-
-def _expand(path, home):
-  if path == '~' or path.startswith('~/'):
-    path = home + path[1:]
-  return os.path.join(home, path)  # relative paths: from home, as apps see
-
-
-def _read_capped(f):
-  f.seek(0)
-  data = f.read(OUTPUT_LIMIT + 1)
-  text = data[:OUTPUT_LIMIT].decode('utf-8', errors='replace')
-  return text + ('\n[output cut]' if len(data) > OUTPUT_LIMIT else '')
-
-
-def execute(desk, data):
-  command, shell = _command(data)
-  if not shell:
-    command = [_expand(a, desk.home) if a.startswith('~/') else a
-               for a in command]
-  timeout = float(data.get('timeout') or EXECUTE_TIMEOUT_S)
-  # Files, not pipes: a command that leaves a background child holding its
-  # stdout open must not make us wait for that child.
-  with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-    try:
-      proc = desk.popen(command, shell, stdout=out, stderr=err)
-    except OSError as e:
-      return {'status': 'error', 'output': '', 'error': str(e),
-              'returncode': None, 'message': str(e)}
-    try:
-      returncode = proc.wait(timeout)
-      message = None
-    except subprocess.TimeoutExpired:
-      _signal(-proc.pid)
-      returncode = proc.wait()
-      message = f'command timed out after {timeout:g} s and was killed'
-    result = {'status': 'error' if message else 'success',
-              'output': _read_capped(out), 'error': _read_capped(err),
-              'returncode': returncode}
-  if message:
-    result['message'] = message
-    result['error'] += ('\n' if result['error'] else '') + message
-  return result
-
-
-def launch(desk, data):
-  command, shell = _command(data)
-  if not shell:
-    command = [_expand(a, desk.home) if a.startswith('~/') else a
-               for a in command]
-  try:
-    proc = desk.popen(command, shell, stdout=sys.stderr, stderr=sys.stderr)
-  except OSError as e:
-    raise RequestError(500, f'cannot launch {command!r}: {e}') from e
-  return {'status': 'success', 'pid': proc.pid}
-
-
-def get_file(desk, form):
-  path = form.get('file_path')
-  if not path:
-    raise RequestError(400, 'form field "file_path" is required')
-  path = _expand(path, desk.home)
-  if not os.path.exists(path):
-    raise RequestError(404, f'file not found: {path}')
-  if os.path.isdir(path):
-    raise RequestError(400, f'{path} is a directory')
-  with open(path, 'rb') as f:
-    return f.read()
-
-
 def screenshot(desk):
   image = ImageGrab.grab(xdisplay=desk.display_name)
-  cursor = desk.cursor()
+  cursor = desktop_windows.cursor(desk)
   if cursor is not None:
     shape, x, y = cursor
     image.paste(shape, (x, y), shape)
@@ -398,10 +361,18 @@ def screenshot(desk):
   return out.getvalue()
 
 
-def reset(desk):
+def reset(desk, data=None):
+  """Back to a fresh episode; `data['network']` (default false) says
+  whether the next task's apps may reach the network."""
+  network = (data or {}).get('network', False)
+  if not isinstance(network, bool):
+    raise RequestError(400, f'"network" must be true or false, not '
+                       f'{network!r}')
   started = time.monotonic()
+  desktop_setup.reset(desk)
   desk.kill_apps()
-  desk.close_windows_and_release_input()
+  desk.network = network
+  desktop_windows.close_windows_and_release_input(desk)
   _empty(desk.home)
   return {'status': 'success', 'seconds': round(time.monotonic() - started, 3)}
 
@@ -426,10 +397,17 @@ def _empty(directory):
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-  """Routes a request to its handler; errors become 4xx / 500 answers."""
+  """Routes a request to its handler; errors become 4xx / 500 answers.
+
+  Fails safe: a body is read only when its Content-Length is a number
+  within the endpoint's cap (else 400 / 413 at once, before reading), and
+  a client that stalls is dropped after `timeout` s (the server runs a
+  thread per connection, so it never holds up other requests).
+  """
 
   desk = None  # set by serve()
   server_version = 'rla-desktop/1'
+  timeout = REQUEST_TIMEOUT_S  # per socket read and write
 
   def do_GET(self):  # pylint: disable=invalid-name
     self._route('GET')
@@ -441,17 +419,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
     started = time.monotonic()
     path = urllib.parse.urlsplit(self.path).path.rstrip('/') or '/'
     try:
-      body = self._body() if method == 'POST' else b''
+      body = self._body(path) if method == 'POST' else b''
       answer = self._answer(method, path, body)
     except RequestError as e:
       answer = e.status, {'status': 'error', 'message': str(e)}
+    except TimeoutError:
+      answer = 408, {'status': 'error', 'message': 'the request body did not '
+                     f'arrive within {self.timeout} s'}
     except Exception as e:  # pylint: disable=broad-except
       answer = 500, {'status': 'error',
                      'message': f'{type(e).__name__}: {e}'}
-    status, content = answer
+    status, content, kind = (tuple(answer) + (None,))[:3]
+    self._send(status, content, kind, path)
+    sys.stderr.write(f'{method} {path} {status} '
+                     f'{time.monotonic() - started:.3f}s\n')
+
+  def _send(self, status, content, kind, path):
     if isinstance(content, bytes):
-      kind = ('image/png' if path == '/screenshot'
-              else 'application/octet-stream')
+      kind = kind or ('image/png' if path == '/screenshot'
+                      else 'application/octet-stream')
     elif isinstance(content, str):
       content, kind = content.encode(), 'text/plain; charset=utf-8'
     else:
@@ -463,50 +449,70 @@ class Handler(http.server.BaseHTTPRequestHandler):
       self.end_headers()
       self.wfile.write(content)
     except OSError:
-      pass  # the client went away
-    sys.stderr.write(f'{method} {path} {status} '
-                     f'{time.monotonic() - started:.3f}s\n')
+      pass  # the client went away or stalled
 
-  def _body(self):
-    length = int(self.headers.get('Content-Length') or 0)
-    return self.rfile.read(length) if length else b''
-
-  def _json(self, body):
-    try:
-      return json.loads(body or b'{}')
-    except ValueError as e:
-      raise RequestError(400, f'the body is not JSON: {e}') from e
-
-  def _form(self, body):
-    kind = self.headers.get('Content-Type', '')
-    if kind.startswith('application/json'):
-      return self._json(body)
-    return dict(urllib.parse.parse_qsl(body.decode()))
+  def _body(self, path):
+    """The request body; RequestError before reading if it is malformed."""
+    if self.headers.get('Transfer-Encoding'):
+      raise RequestError(400, 'chunked bodies are not supported: send a '
+                         'Content-Length')
+    length = self.headers.get('Content-Length')
+    if length is None:
+      return b''  # POST without a body
+    if not re.fullmatch(r'[0-9]+', length.strip()):
+      raise RequestError(400, f'bad Content-Length {length!r}')
+    length, limit = int(length), desktop_setup.body_limit(path)
+    if length > limit:
+      raise RequestError(413, f'a body of {length} bytes is over the '
+                         f'{limit} this endpoint takes')
+    body = self.rfile.read(length) if length else b''
+    if len(body) < length:
+      raise RequestError(400, f'the body ended after {len(body)} of '
+                         f'{length} bytes')
+    return body
 
   def _answer(self, method, path, body):
     desk = self.desk
+    request = desktop_setup.Request(self.headers.get('Content-Type'), body)
     if (method, path) == ('GET', '/screenshot'):
       return 200, screenshot(desk)
     if (method, path) == ('GET', '/accessibility'):
       with desk.a11y_lock:
         return 200, {'AT': desktop_a11y.accessibility_tree()}
     if method == 'POST' and path in ('/execute', '/setup/execute'):
-      return 200, execute(desk, self._json(body))
-    if (method, path) == ('POST', '/setup/launch'):
-      return 200, launch(desk, self._json(body))
-    if (method, path) == ('POST', '/file'):
-      return 200, get_file(desk, self._form(body))
+      return 200, desktop_setup.execute(desk, request.json())
     if path == '/platform':
       return 200, 'Linux'
     if path == '/screen_size':
       width, height = desk.screen_size()
       return 200, {'width': width, 'height': height}
     if (method, path) == ('POST', '/local/reset'):
-      return 200, reset(desk)
-    raise RequestError(404, f'no endpoint {method} {path}')
+      return 200, reset(desk, request.json())
+    answer = desktop_setup.answer(desk, method, path, request)
+    if answer is None:
+      raise RequestError(404, f'no endpoint {method} {path}')
+    return answer
 
   def log_message(self, format, *args):  # pylint: disable=redefined-builtin
     pass  # one line per request is written by _route
+
+  def address_string(self):
+    return 'unix'  # an AF_UNIX peer has no address ('' not a (host, port))
+
+
+class UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+  """A thread per connection on a unix socket: a stalled client holds up
+  no one."""
+  daemon_threads = True
+
+
+def _listen(args):
+  """The server on --socket, made 0600."""
+  umask = os.umask(0o177)
+  try:
+    return UnixServer(args.socket, Handler)
+  finally:
+    os.umask(umask)
 
 
 def serve(args):
@@ -516,19 +522,15 @@ def serve(args):
   desk = Desktop(args.home, args.python, args.sandbox)
   Handler.desk = desk
 
-  class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    address_family = socket.AF_INET6 if ':' in args.host else socket.AF_INET
-
+  where = args.socket
   try:
-    server = Server((args.host, args.port), Handler)
+    server = _listen(args)
   except OSError as e:
     desk.close()
-    sys.exit(f'desktop_server.py: cannot listen on {args.host}:{args.port}: '
-             f'{e}')
+    sys.exit(f'desktop_server.py: cannot listen on unix socket {where}: {e}')
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-  sys.stderr.write(f'serving {desk.display_name} on http://{args.host}:'
-                   f'{args.port}, home {args.home}\n')
+  sys.stderr.write(f'serving {desk.display_name} on unix socket {where}, '
+                   f'home {args.home}\n')
   sys.stderr.flush()
   try:
     server.serve_forever(poll_interval=0.2)
@@ -536,7 +538,16 @@ def serve(args):
     pass
   finally:
     server.server_close()
+    _unlink(args.socket)
+    desktop_setup.close()
     desk.close()
+
+
+def _unlink(path):
+  try:
+    os.unlink(path)
+  except OSError:
+    pass
 
 
 if __name__ == '__main__':

@@ -5,10 +5,10 @@ a clean desktop, then the task's set-up), `screenshot()`, `accessibility()`,
 `run_pyautogui(code)`, `screen_size()` and `evaluate(spec)`.
 
 - `Local`: a desktop on this host (launch/desktop.sh: Xvfb, openbox, the
-  accessibility bus and our OSWorld server on 127.0.0.1). A task starts
-  from a reset that kills the apps and empties the home folder (seconds),
-  then runs the task's `config` steps; the task's own evaluators
-  (evaluators.py) decide it.
+  accessibility bus and our OSWorld server on a unix socket of its own).
+  A task starts from a reset that kills the apps and empties the home
+  folder (seconds), then runs the task's `config` steps; the task's own
+  evaluators (evaluators.py) decide it.
 - `VM`: OSWorld's `desktop_env.DesktopEnv` (`pip install desktop-env`;
   providers docker, vmware, virtualbox, aws, ...), for the benchmark's
   task files: DesktopEnv reverts the VM snapshot and runs the task's
@@ -54,7 +54,7 @@ class Local:
     self.desktop.stop()
 
   def start_task(self, spec: dict[str, Any]):
-    self.client.reset()
+    self.client.reset(network=spec.get('network', False))
     launched = 0
     for step in spec.get('config', []):
       params = step.get('parameters', {})
@@ -151,14 +151,17 @@ class VM:
 
 
 def local_factory(env_config):
-  """desktop i on the first free display >= base + i, port >= base + i."""
+  """desktop i on the first free display >= display_base + i.
+
+  Its server listens on a unix socket in its run dir (no port to pick);
+  the desktop stops itself if this process dies.
+  """
   width, height = env_config.screen_size
 
   def make(i: int) -> Local:
-    display, port = desktop.free_display_and_port(
-        env_config.display_base + i, env_config.port_base + i)
+    display = desktop.free_display(env_config.display_base + i)
     made = desktop.LocalDesktop(
-        display, port, size=(width, height),
+        display, size=(width, height),
         home=os.path.join(env_config.desktop_dir or '/tmp',
                           f'rla_desktop_home_{display}'))
     made.start()

@@ -11,14 +11,16 @@ screenshot after the action and the one it was taken on, so the RM (4.3)
 judges each step from both. When the agent terminates or the turns run out,
 the task's evaluator (evaluators.py) decides the outcome.
 
-Tasks are OSWorld task JSONs with the RLAnything fields: `evaluators`
-(name -> evaluator), `task_template` (name -> canonical instruction) and
-`current_task` (the one active name -> its instruction). The curator's
-rewrite (4.5) asks the environment LLM for a one-key JSON object: keep or
-switch the evaluator, add or remove hints; a proposal that does not parse,
-names an unknown evaluator or changes nothing is rejected, and when none
-is valid the rewrite is a logged rejection (the authors fall back to the
-unchanged task silently).
+Tasks are OSWorld task JSONs with the RLAnything fields: `evaluators` (name
+-> evaluator), `task_template` (name -> canonical instruction) and
+`current_task` (the one active name -> its instruction), and optionally
+`network` (true: the task's apps may reach the network; the local desktops'
+jails have none by default, and no bundled task asks). The curator's rewrite
+(4.5) asks the environment LLM for a one-key JSON object: keep or switch the
+evaluator, add or remove hints; a proposal that does not parse, names an
+unknown evaluator or changes nothing is rejected, and when none is valid the
+rewrite is a logged rejection (the authors fall back to the unchanged task
+silently).
 
 Desktops (desktops.py): provider 'local' runs one desktop of this
 host per concurrent episode (launch/desktop.sh), started on demand and
@@ -88,6 +90,9 @@ def _checked(spec: Any, where: str) -> dict[str, Any]:
   if not isinstance(spec, dict) or not isinstance(spec.get('id'), str):
     raise base.DataError(f'{where}: a task is an object with a string "id"')
   spec = dict(spec)
+  if not isinstance(spec.get('network', False), bool):
+    raise base.DataError(f'{where}: "network" (whether the task\'s apps may '
+                         'reach the network; default false) is true or false')
   if 'evaluators' not in spec:  # an OSWorld benchmark task: one evaluator
     if 'evaluator' not in spec or 'instruction' not in spec:
       raise base.DataError(f'{where}: needs "evaluators" (local tasks) or '
@@ -269,8 +274,10 @@ class OSWorldEnv:
                retry_temperature: float, settle_s: float,
                image_max_pixels: int, observation_chars: int,
                answer_prefix: str, judge_prefix: str, max_critiques: int,
-               max_instruction_chars: int, judge_response_chars: int = 0):
+               max_instruction_chars: int, judge_response_chars: int = 0,
+               local: bool = True):
     self._tasks = list(tasks)
+    self.local = local  # desktops of this host (provider 'local')
     self.pool, self.max_turns = pool, max_turns
     self.max_images, self.parse_retries = max_images, parse_retries
     self.retry_temperature, self.settle_s = retry_temperature, settle_s
@@ -408,6 +415,29 @@ class OSWorldEnv:
     derived['id'] = f'{root_id}.v{version}-{digest[:6]}'
     return derived
 
+  def reward_cases(self) -> list[base.RewardCase]:
+    """On local desktops: the bundled task xterm-make-folder solved with the
+    agent's own actions (a click into the terminal, `mkdir projects`), and
+    its start state with the agent claiming success. OSWorld's VMs get no
+    cases (their tasks ship no scripted solutions): their rewards are not
+    checked."""
+    if not self.local:
+      return []
+    spec = next(t for t in load_tasks(TASK_DIR)
+                if t['id'] == 'xterm-make-folder')
+
+    def act(sentence, **args):
+      return prompts.canonical(sentence, args)
+
+    done = act('I am done.', action='terminate', status='success')
+    solution = (act('Focus the terminal.', action='left_click',
+                    coordinate=[200, 200]),
+                act('Make the folder.', action='type', text='mkdir projects\n'),
+                done)
+    return [base.RewardCase('xterm-make-folder solved', spec, solution, True),
+            base.RewardCase('xterm-make-folder at its start', spec, (done,),
+                            False)]
+
   def close(self):
     """Stops the desktops this run started."""
     self.pool.close()
@@ -464,4 +494,5 @@ def from_config(env_config, workdir: str) -> OSWorldEnv:
   pool = desktops.Pool(factories[env_config.provider](env_config),
                        env_config.max_desktops, env_config.acquire_timeout_s)
   return OSWorldEnv(load_tasks(env_config.task_dir or TASK_DIR), pool=pool,
+                    local=env_config.provider == 'local',
                     **{k: env_config[k] for k in ENV_OPTIONS})
