@@ -187,6 +187,7 @@ def get_config() -> ml_collections.ConfigDict:
       critiques=True,  # the env LLM explains failed rollouts for rewrites
                        # (coding: the tests' pass rates are the critique)
       alpha_low=0.2,  # acc <= alpha_low -> easier
+      easier_strict=False,  # True: acc < alpha_low -> easier (coding, 5.8)
       alpha_high=0.8,  # acc >= alpha_high -> harder
       rewrite_attempts=8,  # env-LLM proposals per rewrite
       pending_max_tries=2,  # epochs a rewrite may go unmeasured (its
@@ -229,6 +230,9 @@ def get_config() -> ml_collections.ConfigDict:
       preempt_grace_s=30.0,  # SIGTERM/SIGINT: seconds to stop cleanly with
                              # a checkpoint before exiting anyway; keep it
                              # below the cluster's kill delay
+      allow_config_change=False,  # resume a workdir whose config.json
+                                  # differs in a key of the experiment
+                                  # (runtime.RESUMABLE_KEYS are always free)
   )
   return config
 

@@ -63,10 +63,9 @@ def env_section() -> ml_collections.ConfigDict:
           max_test_chars=4000,  # longest test side accepted
           prompt_test_chars=100,  # longer test pairs are not shown (authors)
           prompt_tests=8,  # tests shown per list
-          consistency_check=True,  # run the new tests on old solvers
-          consistency_majority=0.75,  # reject when an old solver matches
-                                      # this share of the new tests but not
-                                      # the rest (coding_rewrite)
+          consistency_check=True,  # run the new tests on old solvers, to
+                                   # annotate the rewrite (never rejects;
+                                   # coding_rewrite.check_consistency)
           max_witnesses=4,  # old solvers run on the new tests
           workers=0,  # 0 = CPU count
           knob_fallback=True,  # built-in problems: level +-1 when no
@@ -105,7 +104,8 @@ def get_config(arg: str = 'full'):
   config.judge.num_samples = 16  # unit tests per task
   config.judge.sampling.update(temperature=0.8, top_p=0.95,
                                max_new_tokens=2048, max_prompt_len=2048)
-  config.curator.update(alpha_low=0.2, alpha_high=0.8, rewrite_attempts=3)
+  config.curator.update(alpha_low=0.2, alpha_high=0.8, rewrite_attempts=3,
+                        easier_strict=True)  # acc < 0.2 -> easier (5.8)
   config.curator.sampling.update(temperature=0.8, top_p=0.95,
                                  max_new_tokens=8096, max_prompt_len=8192)
   # The RM writes unit tests; policy data from tasks with 0.2 <= acc <= 0.8;

@@ -7,7 +7,8 @@
 
 Hyper-parameters of RLANYTHING.md section 6 (OSWorld column): 12 tasks per
 step, 8 rollouts each, 30 turns, screenshots of the last 3 turns in the
-policy's prompt, 5 retries of an unparseable answer (at temperature >=
+policy's prompt (with the actions taken there, not the authors' full
+responses: env.history), 5 retries of an unparseable answer (at temperature >=
 0.2), m = 3 RM judgments per step with the screenshots before and after,
 policy temperature 1.0 (evaluation 0.0, 3 runs per task) at top_p 0.9,
 4096 / 8096 / 8096 new tokens for policy / RM / environment LLM, 8192-token
@@ -81,6 +82,19 @@ def env_section() -> ml_collections.ConfigDict:
                               # in the observation: critiques and logs
       answer_prefix='',  # pre-fills the policy's answer (small models)
       judge_prefix='',  # pre-fills the RM's answer
+      history='canonical',  # the earlier turns' assistant messages in
+          # the policy's prompt: 'full' (the authors: the agent's whole
+          # earlier responses, thought included) | 'canonical' (the action
+          # each parsed to: 'Action: <sentence>' and its tool call).
+          # DEVIATION: 'canonical'. Measured with the prompt builder, 3
+          # screenshots of 1920x1080 (3 x 2,040 tokens) and the :smoke word
+          # tokenizer (no Qwen3-VL tokenizer offline): 'canonical' fits
+          # 24 of a 30-turn episode's prompts in 8,192 tokens (30 of 30 at
+          # 3.5 characters a token, nearer Qwen's BPE), 'full' with ~680-
+          # token thoughts 3 (16 at 3.5 chars), with ~1,300-token thoughts
+          # 2; prompts with images are never cut, so an over-long one is an
+          # error. (Qwen3's chat template drops earlier turns' thoughts,
+          # which would make 'full' as short; unchecked for Qwen3-VL.)
       judge_response_chars=4000,  # the policy's answer in the RM's prompt
                                   # loses its middle past this (a long
                                   # thought; its start and action stay), so

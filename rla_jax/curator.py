@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -90,8 +91,11 @@ def sample_batch(pool: Sequence[structs.Task], num_tasks: int,
 
 
 def triggers(pool: Sequence[structs.Task], accuracy: Accuracy,
-             alpha_low: float, alpha_high: float) -> dict[str, str]:
-  """task_id -> HARDER if acc >= alpha_high, EASIER if acc <= alpha_low.
+             alpha_low: float, alpha_high: float, *,
+             easier_strict: bool = False) -> dict[str, str]:
+  """task_id -> HARDER if acc >= alpha_high, EASIER if acc <= alpha_low
+  (acc < alpha_low with `easier_strict`: the authors' coding trigger, 5.8,
+  where AlfWorld and OSWorld fire at the edge too).
 
   Only slots without a pending rewrite and with a measured active group.
   """
@@ -102,7 +106,8 @@ def triggers(pool: Sequence[structs.Task], accuracy: Accuracy,
       continue
     if acc >= alpha_high - _BAND_TOL:
       fired[task.task_id] = structs.HARDER
-    elif acc <= alpha_low + _BAND_TOL:
+    elif (acc < alpha_low - _BAND_TOL if easier_strict
+          else acc <= alpha_low + _BAND_TOL):
       fired[task.task_id] = structs.EASIER
   return fired
 
@@ -132,7 +137,7 @@ def _event(task: structs.Task, epoch: int, acc_new: float | None,
       'direction': pending.direction, 'acc_old': pending.acc_old,
       'acc_new': acc_new, 'accepted': accepted, 'reason': reason,
       'version': version, 'spec': copy.deepcopy(pending.spec),
-      'critiques': list(pending.critiques),
+      'critiques': list(pending.critiques), 'origin': pending.origin,
   }
 
 
@@ -147,8 +152,11 @@ def judge_pending(
   and is dropped after `config.pending_max_tries` such epochs. Every decision
   appends a lineage event to the slot's history.
 
-  Returns (pool, events, stats); events carry 'task_id' and 'reason' in
-  {'accepted', 'rejected', 'unmeasured'}.
+  Returns (pool, events, stats); events carry 'task_id', 'origin' and
+  'reason' in {'accepted', 'rejected', 'unmeasured'}. `curator/accepted`
+  counts the environment LLM's rewrites only, `curator/accepted_fallback`
+  those a setting's generator made (structs.Rewrite.origin);
+  `curator/rejected` and `dropped_unmeasured` count both.
   """
   new_pool, events = [], []
   undecided = 0
@@ -176,8 +184,10 @@ def judge_pending(
     new_pool.append(dataclasses.replace(
         task, active=copy.deepcopy(pending.spec) if accepted else task.active,
         version=version, history=[*task.history, event], pending=None))
+  taken = [e['origin'] for e in events if e['reason'] == 'accepted']
   stats = {
-      'curator/accepted': sum(e['reason'] == 'accepted' for e in events),
+      'curator/accepted': sum(o != structs.FALLBACK for o in taken),
+      'curator/accepted_fallback': sum(o == structs.FALLBACK for o in taken),
       'curator/rejected': sum(e['reason'] == 'rejected' for e in events),
       'curator/dropped_unmeasured': sum(
           e['reason'] == 'unmeasured' for e in events),
@@ -329,8 +339,18 @@ def request_rewrites(
   Any exception from `env.rewrite` (RewriteRejected or other) is counted and
   logged and leaves the slot without a pending rewrite, as does a rewrite
   equal to the active spec.
+
+  Counts: `curator/created` the environment LLM's rewrites,
+  `curator/created_fallback` those the setting's generator made when no
+  proposal was valid (the spec carried base.FALLBACK_KEY; the pending
+  rewrite keeps the origin for its acceptance). `curator/rewrite_rejected`
+  counts requests that ended in RewriteRejected; `curator/rejected_<reason>`
+  the proposals the hook turned down, per reason key (request.rejected),
+  whatever became of the request, or the request's RewriteRejected.reason
+  when the hook itemised none.
   """
-  fired = triggers(pool, accuracy, config.alpha_low, config.alpha_high)
+  fired = triggers(pool, accuracy, config.alpha_low, config.alpha_high,
+                   easier_strict=config.easier_strict)
   if config.critiques:
     notes, stats = critiques(pool, fired, env, trajectories, judgments,
                              generate, config.critique_max_chars,
@@ -343,8 +363,8 @@ def request_rewrites(
       'curator/triggered_easier': sum(
           d == structs.EASIER for d in fired.values()),
       'curator/requested': 0, 'curator/created': 0,
-      'curator/rewrite_rejected': 0, 'curator/rewrite_errors': 0,
-      'curator/rewrite_unchanged': 0,
+      'curator/created_fallback': 0, 'curator/rewrite_rejected': 0,
+      'curator/rewrite_errors': 0, 'curator/rewrite_unchanged': 0,
   })
   new_pool = []
   for task in pool:
@@ -362,54 +382,83 @@ def request_rewrites(
                       if (t.task_id, t.source) == (task.task_id, ACTIVE)],
         judgments=[j for j in judgments
                    if (j.task_id, j.source) == (task.task_id, ACTIVE)])
-    spec = _rewrite(env, task, request, generate, config.rewrite_attempts,
-                    stats)
+    spec, origin = _rewrite(env, task, request, generate,
+                            config.rewrite_attempts, stats)
+    for reason in request.rejected:
+      key = f'curator/rejected_{reason_key(reason)}'
+      stats[key] = stats.get(key, 0) + 1
     if spec is None:
       new_pool.append(task)
       continue
-    stats['curator/created'] += 1
+    stats['curator/created' if origin == structs.LLM else
+          'curator/created_fallback'] += 1
     pending = structs.Rewrite(
         spec=spec, direction=direction, acc_old=request.acc_old, epoch=epoch,
-        critiques=list(notes[task.task_id]))
+        critiques=list(notes[task.task_id]), origin=origin)
     new_pool.append(dataclasses.replace(task, pending=pending))
   stats['curator/rewrite_failures'] = (stats['curator/rewrite_rejected'] +
                                        stats['curator/rewrite_errors'])
   return new_pool, stats
 
 
+def reason_key(reason: str) -> str:
+  """A rejection reason as a metric-name part: snake case, 'other' if empty."""
+  key = re.sub(r'[^0-9a-z]+', '_', str(reason).lower()).strip('_')
+  return key or base.OTHER
+
+
 def _rewrite(env, task, request, generate, attempts, stats):
-  """env.rewrite with every failure counted; the new spec or None."""
+  """env.rewrite with every failure counted: (new spec or None, origin).
+
+  The origin is structs.FALLBACK when the hook marked the spec with
+  base.FALLBACK_KEY (taken off the returned copy), else structs.LLM.
+  """
   direction = request.direction
   try:
     spec = env.rewrite(request, generate, attempts=attempts)
   except base.RewriteRejected as e:
     logging.info('rewrite of %s (%s) rejected: %s', task.task_id, direction, e)
     stats['curator/rewrite_rejected'] += 1
-    return None
+    if not request.rejected:  # the hook did not itemise its proposals
+      request.rejected.append(getattr(e, 'reason', base.OTHER))
+    return None, None
   except Exception:  # pylint: disable=broad-exception-caught
     logging.exception('rewrite hook failed for %s (%s)', task.task_id,
                       direction)
     stats['curator/rewrite_errors'] += 1
-    return None
+    return None, None
   if not isinstance(spec, dict):
     logging.error('rewrite of %s returned %s, not a dict', task.task_id,
                   type(spec).__name__)
     stats['curator/rewrite_errors'] += 1
-    return None
+    return None, None
+  spec = copy.deepcopy(spec)
+  generator = spec.pop(base.FALLBACK_KEY, None)
   if spec == task.active:
     stats['curator/rewrite_unchanged'] += 1
-    return None
-  return copy.deepcopy(spec)
+    return None, None
+  if generator is not None:
+    logging.info('rewrite of %s (%s) made by the fallback generator %r',
+                 task.task_id, direction, generator)
+    return spec, structs.FALLBACK
+  return spec, structs.LLM
 
 
 def metrics(pool: Sequence[structs.Task], env) -> dict[str, float]:
-  """Pool-level metrics: size, pending, versions, active difficulty."""
+  """Pool-level metrics: size, pending, versions, active difficulty.
+
+  `accepted_total` counts the environment LLM's accepted rewrites in the
+  pool's lineage, `accepted_fallback_total` the fallback generator's.
+  """
+  accepted = [e.get('origin', structs.LLM) for t in pool for e in t.history
+              if e['accepted']]
   return {
       'curator/pool_size': len(pool),
       'curator/pending': sum(t.pending is not None for t in pool),
       'curator/mean_version': _mean(t.version for t in pool),
-      'curator/accepted_total': sum(
-          e['accepted'] for t in pool for e in t.history),
+      'curator/accepted_total': sum(o != structs.FALLBACK for o in accepted),
+      'curator/accepted_fallback_total': sum(
+          o == structs.FALLBACK for o in accepted),
       'curator/pool_difficulty': _mean(env.difficulty(t.active) for t in pool),
   }
 

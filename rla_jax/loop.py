@@ -8,6 +8,9 @@ critiques and new rewrites -> feedback -> policy update -> RM update ->
 A SIGTERM/SIGINT stops the run at the next stage boundary (`_Timer`, and
 before evaluation and checkpoint) with a consistent checkpoint: what is kept at
 each point is in rla_jax/preemption.py.
+
+Resume: a workdir run with another experiment is refused, and a complete
+run started again says so without loading a model (resume.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rla_jax import judge
 from rla_jax import metrics
 from rla_jax import preemption
 from rla_jax import report
+from rla_jax import resume
 from rla_jax import reward_check
 from rla_jax import rollout
 from rla_jax import runtime
@@ -337,19 +341,31 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
   Returns the last epoch's scalars; on SIGTERM/SIGINT it checkpoints and
   returns early, printing `resume_command`. One run per workdir (a lock).
   A workdir this call made is removed again when set-up fails (a bad data
-  file, a missing model), so nothing half-made is left behind.
+  file, a missing model), so nothing half-made is left behind. A workdir
+  run with another experiment (config.json) raises ConfigChangeError before
+  anything is written; a complete run with no epochs left returns its last
+  evaluation's scalars without loading a model.
   """
   runtime.validate(config)
   runtime.check_paths(config)
   preemption.check_keys(config)
   distributed.check_devices(config.mesh)
   chief = jax.process_index() == 0
+  resume.check_config_change(config, workdir, chief)
   if chief:
     print(distributed.describe(), flush=True)
   made = not os.path.exists(workdir)
   os.makedirs(workdir, exist_ok=True)
   with preemption.guard(workdir, config.loop.preempt_grace_s,
                         chief=chief) as stopper:
+    # Process 0 decides, so every process takes the same path.
+    done = distributed.broadcast(
+        resume.complete(config, workdir) if chief else None)
+    if done is not None:
+      return resume.say_complete(config, workdir, done) if chief else {}
+    if chief:  # from here on the workdir's run is not complete
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(workdir, resume.COMPLETE))
     if config.loop.compilation_cache_dir:
       # Restarts and later runs reuse compiled programs instead of recompiling.
       jax.config.update('jax_compilation_cache_dir',
@@ -364,9 +380,6 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
       if made and chief:
         shutil.rmtree(workdir, ignore_errors=True)
       raise
-    if state.chief:
-      with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(config.to_json_best_effort(indent=2))
     # The lock is held, so unfinished saves in the folder are dead ones.
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                    config.loop.keep_checkpoints,
@@ -378,6 +391,7 @@ def run(config, workdir: str, *, resume_command: str = '') -> dict[str, float]:
         stopped = stopper.requested()  # on every process: a collective
         if state.chief and not stopped:
           print(report.write(workdir), flush=True)
+          resume.write_complete(state, ckpt)
         return last
     finally:
       ckpt.close()
@@ -430,6 +444,13 @@ def _epochs(state: runtime.Run, ckpt, stopper, resume_command: str):
   """Resume, then epochs until the last or a stop; returns the last scalars."""
   config = state.config
   latest = checkpoint.restore_run(ckpt, state)
+  if state.chief:
+    # Once the checkpoint restored into this config (the next start compares
+    # against it); whole or not at all.
+    path = os.path.join(state.workdir, 'config.json')
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(config.to_json_best_effort(indent=2))
+    os.replace(path + '.tmp', path)
   if latest:
     line = (f'resumed from epoch {latest} checkpoint; starting epoch '
             f'{latest + 1} (pool {pool_digest(curator.state(state.pool))}, '

@@ -298,7 +298,10 @@ def _head_loss_chunks(hidden_BxTxD, w_VxD, targets_BxT, data, config, chunk,
   metrics.update(maxima)
   if not with_grads:
     return loss, metrics
-  return loss, metrics, _unchunked(dh), dw_DxV.T.astype(w_VxD.dtype)
+  # Cast before transposing: XLA:CPU folds a transpose into the dot, and
+  # with a single chunk (the zero carry folded away) that leaves a bf16 x
+  # bf16 = f32 dot its DotThunk does not run (bfloat16 compute).
+  return loss, metrics, _unchunked(dh), dw_DxV.astype(w_VxD.dtype).T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -3,12 +3,17 @@
 Config keys are overridable as flags (`--config.rollout.sampling.temperature=0.7`);
 `--config.loop.num_epochs=N` sets the total number of epochs, also when the
 run resumes from a checkpoint in DIR. SIGTERM or Ctrl-C stops it cleanly
-with a checkpoint (exit 0); the same command resumes. A usage error (a
---config that does not load, an override of a key the config lacks, a value
-that does not fit) prints one line naming the key and exits 2 before DIR is
-made; other errors a user can act on (workdir in use, no restorable
-checkpoint, a failed save, non-finite training, a setting whose known
-reward outcomes come out wrong at start-up) print one line and exit 1.
+with a checkpoint (exit 0); the same command resumes. Started again on a
+complete run with no more epochs, it prints so with the last evaluation and
+exits 0 without loading a model. A usage error (a --config that does not
+load, an override of a key the config lacks, a value that does not fit)
+prints one line naming the key and exits 2 before DIR is made; so does a
+resume whose config differs from DIR/config.json in a key of the experiment
+(the line names the keys; runtime.RESUMABLE_KEYS may change, others need
+--config.loop.allow_config_change=True), leaving DIR as it was. Other
+errors a user can act on (workdir in use, no restorable checkpoint, a failed
+save, non-finite training, a setting whose known reward outcomes come out
+wrong at start-up) print one line and exit 1.
 `-v 0` adds the traceback to the log.
 """
 

@@ -21,6 +21,10 @@ from typing import Any
 PNG = 'report.png'
 FIGSIZE, DPI = (13.0, 4.0), 100  # report.png is 1300 x 400 pixels
 _CURATOR = ('requested', 'created', 'accepted', 'rejected')
+# A setting's generator standing in for the env LLM (coding's knob_fallback):
+# plotted and tabled apart when the run made any.
+_FALLBACK = ('created_fallback', 'accepted_fallback')
+_REASON = 'curator/rejected_'  # + a proposal rejection's reason key
 _STAGES = ('rollout', 'judge', 'curator', 'feedback', 'policy_update',
            'rm_update', 'eval')
 
@@ -99,22 +103,57 @@ def _rm_cells(rows, first, last, split: str) -> list[tuple[str, str, str]]:
   return out
 
 
+def _total(rows, key: str) -> int:
+  return int(sum(r.get(f'curator/{key}', 0) for r in rows))
+
+
+def _has_fallback(rows) -> bool:
+  return any(f'curator/{k}' in r for r in rows for k in _FALLBACK)
+
+
 def _rewrites_cell(rows) -> str:
   """'requested / accepted / rejected (why)' over the run.
 
-  A request is rejected either before it is rolled out (no valid proposal:
-  `curator/rewrite_failures` and `rewrite_unchanged`) or after its rollouts
-  were measured (`curator/rejected`).
+  Accepted counts every origin (the env LLM's `curator/accepted` and the
+  fallback generator's `accepted_fallback`). A request is rejected either
+  before it is rolled out (no valid proposal: `curator/rewrite_failures`
+  and `rewrite_unchanged`) or after its rollouts were measured
+  (`curator/rejected`).
   """
-  total = lambda k: int(sum(r.get(f'curator/{k}', 0) for r in rows))
-  requested, accepted, measured = (total('requested'), total('accepted'),
-                                   total('rejected'))
+  requested, measured = _total(rows, 'requested'), _total(rows, 'rejected')
+  accepted = _total(rows, 'accepted') + _total(rows, 'accepted_fallback')
   if any('curator/rewrite_failures' in r for r in rows):
-    invalid = total('rewrite_failures') + total('rewrite_unchanged')
+    invalid = _total(rows, 'rewrite_failures') + _total(rows,
+                                                       'rewrite_unchanged')
   else:
-    invalid = requested - total('created')
+    invalid = requested - _total(rows, 'created') - _total(
+        rows, 'created_fallback')
   return (f'{requested} / {accepted} / {invalid + measured} ({invalid} '
           f'without a valid proposal, {measured} after measuring)')
+
+
+def _curator_lines(rows) -> list[tuple[str, str, str]]:
+  """The rewrites' rows: totals; with a fallback generator in the run, who
+  made them (the env LLM or the generator: created / accepted); and the env
+  LLM's rejected proposals per reason (`curator/rejected_<reason>`)."""
+  lines = [('rewrites requested / accepted / rejected', '',
+            _rewrites_cell(rows))]
+  if _has_fallback(rows):
+    for who, suffix in (('env LLM', ''), ('fallback generator', '_fallback')):
+      lines.append((f'  by the {who}: created / accepted', '',
+                     f'{_total(rows, "created" + suffix)} / '
+                     f'{_total(rows, "accepted" + suffix)}'))
+  reasons: dict[str, int] = {}
+  for row in rows:
+    for key, value in row.items():
+      if key.startswith(_REASON):
+        name = key[len(_REASON):]
+        reasons[name] = reasons.get(name, 0) + int(value)
+  if reasons:
+    lines.append(('  proposals rejected, by reason', '', ', '.join(
+        f'{name} {n}' for name, n in sorted(reasons.items(),
+                                            key=lambda kv: (-kv[1], kv[0])))))
+  return lines
 
 
 def table(rows: Sequence[dict[str, Any]], workdir: str) -> str:
@@ -131,8 +170,7 @@ def table(rows: Sequence[dict[str, Any]], workdir: str) -> str:
     lines.append(('training rollout accuracy',
                   _fmt(train[0]['rollout/accuracy']),
                   _fmt(train[-1]['rollout/accuracy'])))
-  lines.append(('rewrites requested / accepted / rejected', '',
-                _rewrites_cell(rows)))
+  lines += _curator_lines(rows)
   for stage in _STAGES:
     seconds = [r[f'time/{stage}_s'] for r in rows if f'time/{stage}_s' in r]
     if seconds:
@@ -186,9 +224,10 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> str:
   acc_ax.set(title='accuracy', xlabel='epoch', ylim=(-0.02, 1.02))
   acc_ax.legend(fontsize=8)
   epochs = [r['step'] for r in rows if 'time/epoch_s' in r]
-  width = 0.8 / len(_CURATOR)
-  for i, kind in enumerate(_CURATOR):
-    cur_ax.bar([e + (i - 1.5) * width for e in epochs],
+  kinds = _CURATOR + (_FALLBACK if _has_fallback(rows) else ())
+  width = 0.8 / len(kinds)
+  for i, kind in enumerate(kinds):
+    cur_ax.bar([e + (i - (len(kinds) - 1) / 2) * width for e in epochs],
                [r.get(f'curator/{kind}', 0) for r in rows
                 if 'time/epoch_s' in r], width, label=kind)
   cur_ax.set(title='curator rewrites', xlabel='epoch')
@@ -217,7 +256,7 @@ def write(workdir: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
   if len(argv) != 2:
-    print(f'usage: python -m rla_jax.report WORKDIR', file=sys.stderr)
+    print('usage: python -m rla_jax.report WORKDIR', file=sys.stderr)
     return 2
   try:
     print(write(argv[1]))

@@ -7,9 +7,11 @@ the task pool; `validate` rejects inconsistent configs naming the key.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import importlib
 import importlib.util
+import json
 from concurrent import futures
 import os
 from typing import Any
@@ -150,6 +152,75 @@ def lookup(config, key: str):
   for part in key.split('.'):
     config = config[part]
   return config
+
+
+# ---- a resumed run's config against the one its workdir was run with -------
+
+# Keys a resume may change without changing the experiment (fnmatch patterns
+# over dotted keys): how long it runs, how it is checkpointed, compiled,
+# stopped and laid out on the devices, and memory knobs that compute the
+# same update. Every other key (models, the setting env.*, the Table-1
+# switches loop.train_rm / curator.enabled / feedback.lam, seeds, optimisers,
+# samplers, evaluation tasks) is the experiment: changing it on resume needs
+# loop.allow_config_change=True.
+RESUMABLE_KEYS = (
+    'loop.num_epochs',  # the total; raise it to train on
+    'loop.allow_config_change',
+    'loop.checkpoint_every',
+    'loop.keep_checkpoints',
+    'loop.compilation_cache_dir',
+    'loop.compilation_cache_min_s',
+    'loop.env_threads',
+    'loop.check_rewards',  # a start-up check only
+    'loop.preempt_grace_s',
+    'eval.every',  # evaluation draws its own seeds; training is unchanged
+    'mesh.*',  # another machine or slice
+    'train.*.micro_batch_size',  # gradient accumulation of the same batch
+    'train.*.remat',
+    'train.*.head_chunk',
+    'train.*.logprob_gap_warn',  # a warning threshold
+)
+
+
+class ConfigChangeError(ConfigError):
+  """The config differs from the workdir's run in a key of the experiment."""
+
+
+def _flat(tree, prefix: str = '') -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix[:-1]: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flat(value, f'{prefix}{key}.'))
+  return flat
+
+
+def as_json(config) -> dict[str, Any]:
+  """The config as the workdir's config.json holds it.
+
+  Through JSON (tuples become lists), with the training limits that are 0
+  (= the sampler's) resolved, as `setup` resolves them before writing it.
+  """
+  tree = json.loads(config.to_json_best_effort())
+  for name in _SAMPLED_BY:
+    limits = tree['train'][name]
+    limits['max_prompt_len'], limits['max_response_len'] = train_limits(
+        config, name)
+  return tree
+
+
+def config_changes(previous: dict[str, Any], config
+                   ) -> list[tuple[str, Any, Any]]:
+  """(key, previous value, new value) of each experiment key that differs.
+
+  `previous` is a run's config.json. Keys in RESUMABLE_KEYS are not
+  compared, nor keys only one side has (a key added to the code since keeps
+  the old behaviour at its default).
+  """
+  old, new = _flat(previous), _flat(as_json(config))
+  return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys())
+          if old[key] != new[key]
+          and not any(fnmatch.fnmatchcase(key, p) for p in RESUMABLE_KEYS)]
 
 
 def make_env(config, workdir: str):

@@ -13,6 +13,10 @@ from typing import Any
 HARDER = 'harder'
 EASIER = 'easier'
 
+# Rewrite.origin values: who made a rewrite.
+LLM = 'llm'  # the environment LLM's proposal
+FALLBACK = 'fallback'  # the setting's generator, when no proposal was valid
+
 TASK_LEVEL = -1  # Judgment.rollout / .step of a judgment of a whole group
 
 # Trajectory.status values
@@ -35,6 +39,10 @@ class Rewrite:
   epoch: int  # epoch in which it was created
   critiques: list[str] = dataclasses.field(default_factory=list)
   unmeasured: int = 0  # epochs in which none of its rollouts finished
+  # LLM or FALLBACK (the setting marked the spec with base.FALLBACK_KEY);
+  # its acceptance is counted under the same origin (curator/accepted vs
+  # curator/accepted_fallback).
+  origin: str = LLM
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -22,16 +23,22 @@ def make_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       num_tasks=2, alpha_low=0.2, alpha_high=0.8, rewrite_attempts=3,
       pending_max_tries=2, critique_max_chars=40, critiques=True,
-      critique_observation_chars=0))
+      critique_observation_chars=0, easier_strict=False))
   config.update(overrides)
   return config
 
 
 class FakeEnv:
-  """Records rewrite calls; level +-1 per rewrite; some ids fail."""
+  """Records rewrite calls; level +-1 per rewrite; some ids fail.
 
-  def __init__(self, reject=(), crash=(), unchanged=()):
+  Ids in `fallback` get their rewrite from a stand-in generator (marked
+  base.FALLBACK_KEY) after the LLM's proposals fail for `proposal_reasons`.
+  """
+
+  def __init__(self, reject=(), crash=(), unchanged=(), fallback=(),
+               proposal_reasons=()):
     self.reject, self.crash, self.unchanged = reject, crash, unchanged
+    self.fallback, self.proposal_reasons = fallback, proposal_reasons
     self.calls = []
 
   def describe(self, spec):
@@ -46,13 +53,18 @@ class FakeEnv:
                            critiques=list(request.critiques),
                            attempts=attempts, generate=generate,
                            request=request))
+    if spec['id'] in self.reject or spec['id'] in self.fallback:
+      request.rejected.extend(self.proposal_reasons)
     if spec['id'] in self.reject:
       raise base.RewriteRejected('no valid candidate')
     if spec['id'] in self.crash:
       raise RuntimeError('hook bug')
     if spec['id'] in self.unchanged:
       return dict(spec)
-    return dict(spec, level=spec['level'] + (1 if direction == HARDER else -1))
+    new = dict(spec, level=spec['level'] + (1 if direction == HARDER else -1))
+    if spec['id'] in self.fallback:
+      new[base.FALLBACK_KEY] = 'knob'
+    return new
 
 
 class FakeGenerate:
@@ -149,6 +161,27 @@ def test_triggers_table():
       't3': HARDER}
 
 
+@pytest.mark.parametrize('setting, fires', [('coding', False),
+                                            ('alfworld', True),
+                                            ('osworld', True)])
+def test_easier_trigger_at_the_edge_follows_the_setting(setting, fires):
+  # Issue 32.4: coding's easier trigger is acc < 0.2 (5.8, 6), the others'
+  # acc <= 0.2; the configs carry the difference (curator.easier_strict).
+  config = importlib.import_module(f'configs.{setting}').get_config().curator
+  config.critiques = False
+  pool = curator.build_pool(specs(2))
+  accuracy = {('t0', 'active'): 1 / 5, ('t1', 'active'): 0.1875}
+  env = FakeEnv()
+  _, stats = curator.request_rewrites(pool, env, [], [], accuracy,
+                                      FakeGenerate(), 1, config)
+  fired = [c['spec']['id'] for c in env.calls]
+  assert fired == (['t0', 't1'] if fires else ['t1'])
+  assert stats['curator/triggered_easier'] == len(fired)
+  assert all(c['direction'] == EASIER for c in env.calls)
+  strict = curator.triggers(pool, accuracy, 0.2, 0.8, easier_strict=True)
+  assert strict == {'t1': EASIER}
+
+
 @pytest.mark.parametrize('direction, acc_old, acc_new, expected', [
     (HARDER, 1.0, 0.5, True),
     (HARDER, 1.0, 0.2, True),  # lower edge inclusive
@@ -191,7 +224,7 @@ def test_judge_pending_accept_reject_and_lineage():
   assert t0.history == [dict(
       task_id='t0', epoch=2, created_epoch=1, direction=HARDER, acc_old=1.0,
       acc_new=0.5, accepted=True, reason='accepted', version=1,
-      spec={'id': 't0', 'level': 6}, critiques=['c'])]
+      spec={'id': 't0', 'level': 6}, critiques=['c'], origin='llm')]
   assert t1.active == {'id': 't1', 'level': 5} and t1.version == 0
   assert t1.pending is None and t1.history[0]['accepted'] is False
   assert t1.history[0]['acc_new'] == 0.875
@@ -365,6 +398,7 @@ def test_epoch_cycle_lineage_and_metrics():
   assert metrics == {'curator/pool_size': 3, 'curator/pending': 1,
                      'curator/mean_version': pytest.approx(1 / 3),
                      'curator/accepted_total': 1,
+                     'curator/accepted_fallback_total': 0,
                      'curator/pool_difficulty': pytest.approx(16 / 3)}
 
 
@@ -407,3 +441,84 @@ def test_critiques_can_be_switched_off():
   assert not generate.calls  # no critique prompts
   assert [c['critiques'] for c in env.calls] == [[], []]
   assert stats['curator/created'] == 2 and new_pool[0].pending is not None
+
+
+def test_fallback_rewrites_are_counted_apart_from_the_llms():
+  # Issue 32.5: a rewrite the setting's generator made (no valid proposal)
+  # is the fallback's when created and when accepted, never the LLM's.
+  pool = curator.build_pool(specs(3))
+  trajectories, judgments, accuracy = rollouts_for_rewrite()
+  accuracy[('t2', 'active')] = 1.0
+  env = FakeEnv(fallback=('t0', 't2'))
+  pool, stats = curator.request_rewrites(
+      pool, env, trajectories, judgments, accuracy, FakeGenerate(), 1,
+      make_config(critiques=False))
+  assert stats['curator/requested'] == 3
+  assert stats['curator/created'] == 1  # t1: the LLM's
+  assert stats['curator/created_fallback'] == 2
+  assert [t.pending.origin for t in pool] == [structs.FALLBACK, structs.LLM,
+                                              structs.FALLBACK]
+  assert base.FALLBACK_KEY not in pool[0].pending.spec  # the mark is off
+  assert pool[0].pending.spec == {'id': 't0', 'level': 6}
+  restored = curator.from_state(json.loads(json.dumps(curator.state(pool))))
+  assert restored == pool  # the origin survives a checkpoint
+  measured = {('t0', 'pending'): 0.5, ('t1', 'pending'): 0.5,
+              ('t2', 'pending'): 0.5}
+  pool, events, stats = curator.judge_pending(restored, measured, 2,
+                                              make_config())
+  assert [e['accepted'] for e in events] == [True, True, True]
+  assert [e['origin'] for e in events] == ['fallback', 'llm', 'fallback']
+  assert stats['curator/accepted'] == 1
+  assert stats['curator/accepted_fallback'] == 2
+  metrics = curator.metrics(pool, env)
+  assert metrics['curator/accepted_total'] == 1
+  assert metrics['curator/accepted_fallback_total'] == 2
+
+
+def test_old_pending_rewrites_are_the_llms():
+  # A pool saved before Rewrite.origin existed loads as the LLM's.
+  pool = with_pending(curator.build_pool(specs(1)), 't0', HARDER, 1.0)
+  data = curator.state(pool)
+  del data[0]['pending']['origin']
+  assert curator.from_state(data)[0].pending.origin == structs.LLM
+
+
+def test_rejection_reasons_are_counted_per_key():
+  pool = curator.build_pool(specs(3))
+  trajectories, judgments, accuracy = rollouts_for_rewrite()
+  accuracy[('t2', 'active')] = 1.0
+  reasons = ('contradictory_tests', 'malformed_json', 'contradictory_tests')
+  env = FakeEnv(reject=('t0',), fallback=('t2',), proposal_reasons=reasons)
+  _, stats = curator.request_rewrites(
+      pool, env, trajectories, judgments, accuracy, FakeGenerate(), 1,
+      make_config(critiques=False))
+  # t0's three proposals and t2's three (before its fallback) are counted.
+  assert stats['curator/rejected_contradictory_tests'] == 4
+  assert stats['curator/rejected_malformed_json'] == 2
+  assert stats['curator/rewrite_rejected'] == 1
+  # A hook that does not itemise its proposals: its RewriteRejected's reason
+  # (OTHER unless it names one).
+  env = FakeEnv(reject=('t0', 't1'))
+  _, stats = curator.request_rewrites(
+      pool, env, trajectories, judgments, accuracy, FakeGenerate(), 1,
+      make_config(critiques=False))
+  assert stats['curator/rejected_other'] == 2
+  assert stats['curator/rewrite_rejected'] == 2
+  assert not [k for k in stats if k.startswith('curator/rejected_')
+              and k != 'curator/rejected_other']
+
+
+@pytest.mark.parametrize('reason, key', [
+    ('contradictory tests', 'contradictory_tests'),
+    ('Malformed-JSON', 'malformed_json'), ('', 'other'), ('a:b', 'a_b')])
+def test_reason_key(reason, key):
+  assert curator.reason_key(reason) == key
+
+
+def test_rewrite_rejected_carries_its_reason():
+  e = base.RewriteRejected('tests 1 and 2 clash', reason='contradictory_tests')
+  assert str(e) == 'tests 1 and 2 clash' and e.reason == 'contradictory_tests'
+  assert base.RewriteRejected('x').reason == base.OTHER
+  import pickle  # pylint: disable=g-import-not-at-top
+  again = pickle.loads(pickle.dumps(e))
+  assert (str(again), again.reason) == (str(e), e.reason)

@@ -82,9 +82,13 @@ def test_two_epochs_write_events_pool_and_checkpoint(two_epochs):
 def test_rewrites_are_requested_and_judged(two_epochs):
   workdir, _, _ = two_epochs
   rows = _scalars(workdir)
-  assert sum(r.get('curator/created', 0) for r in rows) > 0
-  decided = sum(r.get('curator/accepted', 0) + r.get('curator/rejected', 0)
-                for r in rows)
+  # The tiny setting's random env LLM rarely writes a valid \boxed{} answer,
+  # so most rewrites are its knob fallback's (curator/*_fallback).
+  assert sum(r.get('curator/created', 0) + r.get('curator/created_fallback', 0)
+             for r in rows) > 0
+  decided = sum(r.get('curator/accepted', 0) +
+                r.get('curator/accepted_fallback', 0) +
+                r.get('curator/rejected', 0) for r in rows)
   assert decided > 0
   pool = curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))
   events = [e for t in pool for e in t.history]
@@ -147,6 +151,7 @@ def test_checkpoint_of_another_config_fails_clearly(two_epochs):
   config = tiny.get_config()
   config.loop.num_epochs = 4
   config.policy.random.intermediate_size = 96
+  config.loop.allow_config_change = True  # else refused before set-up
   with pytest.raises(checkpoint.ConfigMismatchError,
                      match=r'policy\.params\.layers\.mlp\.w_down has shape '
                      r'\(2, 128, 64\) in the checkpoint but the config builds '
@@ -247,6 +252,7 @@ def test_disabled_curator_discards_pending_rewrites(tmp_path):
   config = tiny.get_config('policy_reward')  # curator off, same workdir
   config.loop.num_epochs = 2
   config.eval.every = 0
+  config.loop.allow_config_change = True
   last = loop.run(config, workdir)
   assert last['curator/discarded'] == len(pending)
   pool = curator.load_jsonl(os.path.join(workdir, 'pool.jsonl'))

@@ -99,3 +99,31 @@ def test_a_bad_osworld_task_is_one_line_naming_file_and_step(tmp_path):
       ['--config=configs/osworld.py:smoke', f'--config.env.task_dir={tasks}'],
       f'{tasks}/bad.json: config[{len(spec["config"]) - 1}]: "seconds" is a '
       "number in [0, 600]; got 'two'", tmp_path / 'run')
+
+
+def test_a_resume_of_another_experiment_is_one_line_and_writes_nothing(
+    tmp_path):
+  sys.path.insert(0, ROOT)
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from rla_jax import runtime  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / 'config.json').write_text(
+      json.dumps(runtime.as_json(tiny.get_config())))
+  before = sorted(workdir.iterdir()), (workdir / 'config.json').read_text()
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'rla_jax.main', '--config=configs/tiny.py:policy',
+       f'--workdir={workdir}', '--config.loop.num_epochs=5'],
+      capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+      check=False)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr
+  assert lines[0].startswith(
+      f'error: {workdir} was run with another config: curator.enabled (true '
+      '-> false), loop.train_rm (true -> false); resume with the config in '
+      f'{workdir}/config.json'), lines[0]
+  assert lines[0].endswith('--config.loop.allow_config_change=True')
+  assert (sorted(workdir.iterdir()),
+          (workdir / 'config.json').read_text()) == before  # no run.lock

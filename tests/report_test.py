@@ -101,3 +101,39 @@ def test_command_line_on_a_workdir_and_on_a_missing_one(tmp_path):
                         capture_output=True, text=True, check=False)
   assert proc.returncode == 1
   assert 'no metrics' in proc.stderr
+
+
+def test_fallback_rewrites_and_rejection_reasons_have_their_rows(tmp_path):
+  # Issue 32.5 and 32.3: who made the rewrites (env LLM or the fallback
+  # generator) and why proposals were turned down.
+  rows = [_epoch(1, 0.0, **{'curator/created': 0,
+                            'curator/created_fallback': 3,
+                            'curator/rewrite_failures': 0,
+                            'curator/rewrite_unchanged': 0,
+                            'curator/rejected_no_json': 5,
+                            'curator/rejected_contradictory_tests': 1}),
+          _epoch(2, 0.5, **{'curator/created': 1, 'curator/accepted': 1,
+                            'curator/created_fallback': 1,
+                            'curator/accepted_fallback': 2,
+                            'curator/rewrite_failures': 0,
+                            'curator/rewrite_unchanged': 0,
+                            'curator/rejected_no_json': 2,
+                            'curator/rejected_malformed_json': 2})]
+  workdir = _workdir(tmp_path, rows)
+  lines = report.write(workdir).splitlines()
+  row = lambda start: next(l for l in lines if l.startswith(start))
+  assert row('rewrites requested / accepted / rejected').endswith(
+      '4 / 3 / 2 (0 without a valid proposal, 2 after measuring)')
+  assert row('  by the env LLM: created / accepted').endswith('1 / 1')
+  assert row('  by the fallback generator: created / accepted').endswith(
+      '4 / 2')
+  assert row('  proposals rejected, by reason').endswith(
+      'no_json 7, malformed_json 2, contradictory_tests 1')
+  assert os.path.exists(os.path.join(workdir, report.PNG))
+
+
+def test_runs_without_a_fallback_have_no_origin_rows(tmp_path):
+  lines = report.table([_epoch(1, 0.3), _epoch(2, 0.5)], str(tmp_path))
+  assert 'by the env LLM' not in lines
+  assert 'fallback generator' not in lines
+  assert 'by reason' not in lines

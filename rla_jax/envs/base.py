@@ -30,8 +30,31 @@ class DataError(ValueError):
   and exits 2."""
 
 
+# The reason key of a RewriteRejected that names none.
+OTHER = 'other'
+# The spec key a rewrite hook sets (to its generator's name, e.g. 'knob') on
+# a task that its own generator made, standing in for the environment LLM
+# when none of the LLM's proposals was valid (coding's knob_fallback). The
+# curator takes the key off, records the origin on the pending rewrite
+# (structs.Rewrite.origin) and counts such rewrites apart from the LLM's.
+FALLBACK_KEY = 'fallback'
+
+
 class RewriteRejected(Exception):
-  """The environment could not turn the LLM's proposals into a valid task."""
+  """The environment could not turn the LLM's proposals into a valid task.
+
+  `reason` is a short snake_case key from a small, stable set per setting
+  (coding's 'contradictory_tests', 'malformed_json', ...; OTHER when the
+  raiser names none): the curator counts rejections per key
+  (curator/rejected_<reason>). The message gives the particulars.
+  """
+
+  def __init__(self, message: str = '', reason: str = OTHER):
+    super().__init__(message)
+    self.reason = reason
+
+  def __reduce__(self):
+    return (type(self), (str(self), self.reason))
 
 
 class Unparseable(ValueError):
@@ -98,6 +121,11 @@ class RewriteRequest:
   critiques: Sequence[str]  # the environment LLM's notes on failures
   trajectories: Sequence[Any]  # this epoch's rollouts of `spec`
   judgments: Sequence[Any]  # the RM's judgments of those rollouts
+  # Filled by the hook: the reason key (RewriteRejected.reason) of each
+  # proposal it turned down, whatever the request's outcome (a valid later
+  # proposal, a fallback, or RewriteRejected), for curator/rejected_<reason>.
+  # A hook that leaves it empty has its RewriteRejected counted instead.
+  rejected: list[str] = dataclasses.field(default_factory=list)
 
 
 class Episode(Protocol):

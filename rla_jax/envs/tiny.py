@@ -11,7 +11,9 @@ lets rewrites and their acceptance happen in a one-minute run.
 The environment LLM's completion chooses the rewrite: a `\\boxed{m,s}` that
 moves in the asked direction is used as is; otherwise the first character of
 the completion picks which knob moves one notch (a toy stand-in for a real
-LLM's proposal, so a random model still yields valid candidates).
+LLM's proposal, so a random model still yields valid candidates). Such a
+notch is the setting's generator, not the LLM: its spec is marked
+base.FALLBACK_KEY = 'notch' and the curator counts it as a fallback rewrite.
 """
 
 from __future__ import annotations
@@ -177,9 +179,12 @@ class TinyEnv:
     for text in completions:
       answer = boxed.last_boxed(text) or ''
       numbers = [int(n) for n in re.findall(r'\d+', answer)]
-      if len(numbers) == 2 and self._valid(spec, *numbers, direction):
+      fallback = not (len(numbers) == 2 and
+                      self._valid(spec, *numbers, direction))
+      if not fallback:
         modulus, stages = numbers
       else:
+        request.rejected.append('invalid_answer')
         knob = 'modulus' if (ord(text[:1] or 'a') % 2) else 'stages'
         moved = {**spec, knob: spec[knob] + step}
         if not self._valid(spec, moved['modulus'], moved['stages'], direction):
@@ -189,11 +194,16 @@ class TinyEnv:
       if self._valid(spec, modulus, stages, direction):
         version = spec.get('version', 0) + 1
         root = spec.get('root_id', spec['id'])
-        return {**spec, 'id': f'{root}.v{version}', 'root_id': root,
-                'version': version, 'modulus': modulus, 'stages': stages}
+        new = {**spec, 'id': f'{root}.v{version}', 'root_id': root,
+               'version': version, 'modulus': modulus, 'stages': stages}
+        new.pop(base.FALLBACK_KEY, None)
+        if fallback:
+          new[base.FALLBACK_KEY] = 'notch'
+        return new
     raise base.RewriteRejected(
         f'{spec["id"]}: no {direction} setting within bounds '
-        f'(modulus <= {self.max_modulus}, stages <= {self.max_turns})')
+        f'(modulus <= {self.max_modulus}, stages <= {self.max_turns})',
+        reason='out_of_bounds')
 
 
 class _BrokenEpisode:

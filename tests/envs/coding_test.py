@@ -10,10 +10,12 @@ import sys
 import types
 import zlib
 
+import ml_collections
 import numpy as np
 import pytest
 
 from rla_jax import chat
+from rla_jax import curator
 from rla_jax import feedback
 from rla_jax import rollout
 from rla_jax import structs
@@ -64,8 +66,8 @@ def test_parse_unit_test_rules():
   assert coding.parse_unit_test(answer) == ('3 4', '7')
   plain = '**Test Input:**\n5 6\n**Test Output:**\n11\n**Explanation:** sum'
   assert coding.parse_unit_test(plain) == ('5 6', '11')
-  loose = 'test input: \n```\n2\n3\n```\nTest Output\n```\n5\n```'
-  assert coding.parse_unit_test(loose) == ('2\n3', '5')
+  outside = '**test input**:\n```\n2\n3\n```\n**Test Output** :\n```\n5\n```'
+  assert coding.parse_unit_test(outside) == ('2\n3', '5')  # colon after **
   assert coding.parse_unit_test('**Test Input:**\n```\n1\n```') is None
   assert coding.parse_unit_test('**Test Output:**\n```\n1\n```') is None
   assert coding.parse_unit_test('**Test Input:**\n```\n```\n**Test Output:**'
@@ -74,6 +76,22 @@ def test_parse_unit_test_rules():
   env = _env()
   assert env.parse_judgment('9\n```\n**Test Output:**\n```\n9\n```') == (
       '9', '9')  # the smoke config's judge prefix opens the input block
+
+
+def test_parse_unit_test_ignores_prose_about_tests():
+  # Issue 32.1: the explanation's prose once parsed as a later marker pair.
+  answer = ('I sum the numbers.\n**Test Input:**\n```\n3\n1 2 3\n```\n'
+            '**Test Output:**\n```\n6\n```\n**Explanation:** the sum of the '
+            'test input numbers 1+2+3 gives the test output 6.')
+  assert coding.parse_unit_test(answer) == ('3\n1 2 3', '6')
+  for prose in ('The test input: 1 2. The test output: 3.',
+                'Test Input:\n```\n1 2\n```\nTest Output:\n```\n3\n```',
+                '*Test Input:*\n```\n1 2\n```\n*Test Output:*\n```\n3\n```',
+                '**Test Input**\n```\n1 2\n```\n**Test Output**\n```\n3\n```'):
+    assert coding.parse_unit_test(prose) is None, prose
+  # Prose before the real markers, in the reasoning, is no marker either.
+  draft = ('Test input: 5 5, test output: 10.\n' + answer)
+  assert coding.parse_unit_test(draft) == ('3\n1 2 3', '6')
 
 
 # Rewards against hand-computed tables (RLANYTHING.md 5.6-5.7).
@@ -454,7 +472,8 @@ def test_rewrite_prompt_shows_pass_rates_and_rm_tests():
     (_proposal(['1', '2', '3'], ['1', '2', '3']), 'need at least 4'),
     (_proposal(['1', '1', '2', '3'], ['1', '1', '2', '3']), 'need at least 4'),
     (_proposal(['1', '2', '1 ', '3'], ['1', '2', '5', '3']),
-     'same input but different outputs'),
+     'contradictory tests: tests 1 and 3 have the same input but different '
+     'outputs'),
     (_proposal(['1', '2', '3', '4'], ['1', '2', '3', '4'],
                test_method='functional'), 'not "stdio"'),
     (_proposal(['1', '2', '3', '4'], ['1', '2', '3', '4'],
@@ -462,8 +481,6 @@ def test_rewrite_prompt_shows_pass_rates_and_rm_tests():
     (_proposal(['1', '2', '3', 'x' * 5000], ['1', '2', '3', '4']),
      'over 4000 characters'),
     (_proposal(['1', '2', '3', '4'], ['1', '2', '3', '']), 'empty output'),
-    (_proposal(['1 2', '10 20', '-5 5', '7 8'], ['3', '30', '0', '16']),
-     'contradict each other'),
 ])
 def test_rewrite_rejections_give_reasons(answer, reason, caplog):
   env = _env()
@@ -491,6 +508,41 @@ def test_rewrite_accepts_the_first_valid_proposal():
   assert new['consistency'] == 'no witnesses'
 
 
+MOD_SUM = _proposal(  # the sum mod 1e9+7 with values up to 1e18
+    ['1 2', '10 20', '-5 5', '1000000000000000000 1000000000000000000'],
+    ['3', '30', '0', '98'])
+
+
+@needs_bwrap
+def test_generalising_rewrite_passes_the_consistency_check():
+  # Issue 32.3: the old solver (a + b) matches 3 of these 4 correct tests;
+  # that is a rule change, not a contradiction.
+  env = _env()
+  rc = env.config.rewrite
+  request = _request()
+  candidate = coding_rewrite.parse_proposal(MOD_SUM, ADD_SPEC, structs.HARDER,
+                                            rc)
+  assert coding_rewrite.check_consistency(
+      candidate, request.trajectories, rc, env.limits) == 'unverified'
+  new = env.rewrite(request, lambda prompts: [MOD_SUM] * len(prompts), 1)
+  assert new['tests'][3][1] == '98' and new['consistency'] == 'unverified'
+
+
+def test_same_input_two_outputs_is_a_contradiction():
+  env = _env()
+  rc = env.config.rewrite
+  clash = coding_rewrite.parse_proposal(
+      _proposal(['1 2', '10 20', '-5 5', ' 1  2\n'], ['3', '30', '0', '4']),
+      ADD_SPEC, structs.HARDER, rc)
+  assert len(clash['tests']) == 4  # parsing leaves the clash to the check
+  for checked in (True, False):  # no sandbox needed; on even when off
+    rc.consistency_check = checked
+    with pytest.raises(base.RewriteRejected,
+                       match=f'^{coding_rewrite.CONTRADICTION}: tests 1 and 4 '):
+      coding_rewrite.check_consistency(clash, [], rc, env.limits)
+  assert coding_rewrite.contradiction([['1', '2'], ['1\n', '2\n']]) is None
+
+
 def test_rewrite_falls_back_to_a_builtin_level(caplog):
   env = _env()
   spec = env.tasks('train')[0]
@@ -503,16 +555,73 @@ def test_rewrite_falls_back_to_a_builtin_level(caplog):
   assert new['kind'] == spec['kind'] and new['root_id'] == spec['id']
   assert len(new['rejected_proposals']) == 2
   assert 'all 2 proposals rejected' in caplog.text
+  # Marked as the generator's (issue 32.5), with the LLM's rejections listed.
+  assert new[base.FALLBACK_KEY] == coding_rewrite.KNOB
+  assert request.rejected == [coding_rewrite.NO_JSON] * 2
   bottom = {**spec, 'level': 1}
+  request = base.RewriteRequest(spec=bottom, root=bottom,
+                                direction=structs.EASIER, acc_old=0.0,
+                                critiques=[], trajectories=[], judgments=[])
   with pytest.raises(base.RewriteRejected, match='no valid proposal'):
-    env.rewrite(base.RewriteRequest(spec=bottom, root=bottom,
-                                    direction=structs.EASIER, acc_old=0.0,
-                                    critiques=[], trajectories=[],
-                                    judgments=[]),
-                lambda prompts: ['?'] * len(prompts), 1)
+    env.rewrite(request, lambda prompts: ['?'] * len(prompts), 1)
+  assert request.rejected == [coding_rewrite.NO_JSON]
   human = {**ADD_SPEC, 'check': 'assert True'}
-  with pytest.raises(base.RewriteRejected, match='assert-style'):
+  with pytest.raises(base.RewriteRejected, match='assert-style') as e:
     env.rewrite(base.RewriteRequest(spec=human, root=human,
                                     direction=structs.EASIER, acc_old=0.0,
                                     critiques=[], trajectories=[],
                                     judgments=[]), lambda p: [], 1)
+  assert e.value.reason == coding_rewrite.ASSERT_STYLE
+
+
+def test_fallback_rewrite_is_counted_as_the_fallbacks():
+  # Issue 32.5 end to end: the curator counts the knob rewrite of a built-in
+  # problem as created and accepted by the fallback, never by the LLM.
+  env = _env()
+  spec = env.tasks('train')[0]
+  pool = curator.build_pool([spec])
+  config = ml_collections.ConfigDict(dict(
+      alpha_low=0.2, alpha_high=0.8, rewrite_attempts=2, critiques=False,
+      easier_strict=True, pending_max_tries=2))
+  pool, stats = curator.request_rewrites(
+      pool, env, [], [], {(spec['id'], 'active'): 0.0},
+      lambda prompts: ['no JSON here'] * len(prompts), 1, config)
+  assert stats['curator/created'] == 0
+  assert stats['curator/created_fallback'] == 1
+  assert stats['curator/rejected_no_json'] == 2
+  pending = pool[0].pending
+  assert pending.origin == structs.FALLBACK
+  assert base.FALLBACK_KEY not in pending.spec
+  assert pending.spec['level'] == spec['level'] - 1
+  pool, events, stats = curator.judge_pending(
+      pool, {(spec['id'], 'pending'): 0.5}, 2, config)
+  assert events[0]['accepted'] and events[0]['origin'] == structs.FALLBACK
+  assert stats['curator/accepted'] == 0
+  assert stats['curator/accepted_fallback'] == 1
+
+
+@pytest.mark.parametrize('answer, key', [
+    ('{"question": "x", "test_input": [', coding_rewrite.MALFORMED_JSON),
+    ('["a list"]', coding_rewrite.NO_JSON),
+    ('Sure! Here it is.', coding_rewrite.NO_JSON),
+    (_proposal(['1 2'], ['3'], question=''), coding_rewrite.INVALID_FIELDS),
+    (_proposal(['1', '2', '3', '4'], ['1', '2', '3']),
+     coding_rewrite.INVALID_FIELDS),
+    (_proposal(['1', '2', '3'], ['1', '2', '3']),
+     coding_rewrite.TOO_FEW_TESTS),
+    (_proposal(['1', '2', '1 ', '3'], ['1', '2', '5', '3']),
+     coding_rewrite.CONTRADICTORY_TESTS),
+    (_proposal(['1', '2', '3', '4'], ['1', '2', '3', '4'],
+               test_time_limit=100), coding_rewrite.INVALID_FIELDS),
+    (_proposal(['1', '2', '3', '4'], ['1', '2', '3', '']),
+     coding_rewrite.INVALID_FIELDS),
+])
+def test_rejected_proposals_give_reason_keys(answer, key):
+  # Issue 32.3 follow-up: each rejected proposal's key reaches the curator
+  # (curator/rejected_<key>); no sandbox needed with the witness run off.
+  env = _env()
+  env.config.rewrite.consistency_check = False
+  request = _request()
+  with pytest.raises(base.RewriteRejected):
+    env.rewrite(request, lambda prompts: [answer] * len(prompts), 2)
+  assert request.rejected == [key, key]

@@ -17,8 +17,10 @@ from rla_jax import chat
 from rla_jax import rollout
 from rla_jax import structs
 from rla_jax.envs import base
+from rla_jax.envs.osworld import desktop
 from rla_jax.envs.osworld import desktops
 from rla_jax.envs.osworld import environment as osworld
+from rla_jax.envs.osworld import evaluators
 from rla_jax.envs.osworld import prompts
 
 
@@ -38,7 +40,8 @@ def make_env(pool=None, **overrides):
   options = dict(max_turns=4, max_images=3, parse_retries=5,
                  retry_temperature=0.2, settle_s=0.0, image_max_pixels=0,
                  observation_chars=100, answer_prefix='', judge_prefix='',
-                 max_critiques=2, max_instruction_chars=120)
+                 max_critiques=2, max_instruction_chars=120,
+                 history='canonical')
   options.update(overrides)
   return osworld.OSWorldEnv(osworld.load_tasks(osworld.TASK_DIR), pool=pool,
                             **options)
@@ -307,32 +310,42 @@ class FakeDesktopEnv:
         get_accessibility_tree=lambda: '<desktop-frame/>',
         execute_python_command=self.execute,
         get_vm_screen_size=lambda: {'width': 1920, 'height': 1080})
-    self.executed = []
+    self.executed, self.evaluator, self.scored = [], None, []
     FakeDesktopEnv.instances.append(self)
 
   def reset(self, task_config):
     self.tasks.append(task_config)
+    self._set_evaluator_info(task_config)
+
+  def _set_evaluator_info(self, task_config):
+    self.evaluator = task_config['evaluator']
 
   def execute(self, code):
     self.executed.append(code)
     return {'status': 'success', 'output': '', 'error': '', 'returncode': 0}
 
   def evaluate(self):
+    self.scored.append(self.evaluator)
     return 1.0 if self.executed else 0.0
 
   def close(self):
     self.closed = True
 
 
-def test_vm_provider_drives_desktop_env(monkeypatch):
+def fake_desktop_env(monkeypatch):
   module = types.ModuleType('desktop_env.desktop_env')
   module.DesktopEnv = FakeDesktopEnv
   monkeypatch.setitem(sys.modules, 'desktop_env',
                       types.ModuleType('desktop_env'))
   monkeypatch.setitem(sys.modules, 'desktop_env.desktop_env', module)
+
+
+@pytest.mark.parametrize('history', osworld.HISTORIES)
+def test_vm_provider_drives_desktop_env(monkeypatch, history):
+  fake_desktop_env(monkeypatch)
   config = osworld_config.get_config('full')
   pool = desktops.Pool(desktops.vm_factory(config.env), 2, 5.0)
-  env = make_env(pool=pool)
+  env = make_env(pool=pool, history=history)
   spec = env.tasks('train')[0]
   episode = env.make_episode(spec, 0, max_turns=2)
   first = episode.reset()
@@ -350,6 +363,102 @@ def test_vm_provider_drives_desktop_env(monkeypatch):
   episode.close()
   pool.close()
   assert vm.closed
+
+
+def test_vm_resets_and_scores_the_evaluator_current_task_names(monkeypatch):
+  """A rewrite that switches to another evaluator key (issue 32.2)."""
+  fake_desktop_env(monkeypatch)
+  pool = desktops.Pool(desktops.vm_factory(osworld_config.get_config().env),
+                       1, 5.0)
+  spec = next(t for t in osworld.load_tasks(osworld.TASK_DIR)
+              if len(t['evaluators']) >= 2)
+  first, second = list(spec['evaluators'])[:2]
+  assert spec['evaluators'][first] != spec['evaluators'][second]
+  spec = osworld.OSWorldEnv._derive(spec, second, 'Do the second thing.')
+  vm = pool.acquire()
+  vm.start_task(spec)
+  fake = FakeDesktopEnv.instances[-1]
+  assert fake.tasks[-1]['evaluator'] == spec['evaluators'][second]
+  assert fake.tasks[-1]['instruction'] == 'Do the second thing.'
+  assert not {'evaluators', 'task_template', 'current_task'} & set(
+      fake.tasks[-1])
+  vm.evaluate(spec, osworld.evaluator_name(spec))
+  assert fake.scored == [spec['evaluators'][second]]
+  vm.evaluate(spec, first)  # another key: DesktopEnv is pointed at it
+  assert fake.scored[-1] == spec['evaluators'][first]
+  plain = {'id': 'p', 'instruction': 'i', 'evaluator': {'func': 'x'},
+           'current_task': {'default': 'i'}, 'task_template': {'default': 'i'}}
+  vm.start_task(plain)  # an OSWorld task of one evaluator keeps its own
+  assert fake.tasks[-1]['evaluator'] == {'func': 'x'}
+  pool.close()
+
+
+class FakeClient:
+  """desktop.Client.execute with one canned answer."""
+
+  def __init__(self, answer):
+    self.answer = answer
+
+  def execute(self, command, shell=False, timeout=None):
+    del command, shell, timeout
+    return self.answer
+
+
+def test_command_output_that_could_not_run_is_a_desktop_error():
+  """Not the agent's failure: the trajectory is an environment error."""
+  check = {'func': 'command_output', 'command': 'cat ~/x', 'text': 'hi'}
+  for answer in ({'status': 'error', 'output': '', 'error': 'no such shell',
+                  'returncode': None},
+                 {'status': 'error', 'output': '', 'error': '',
+                  'message': 'command timed out after 30 s and was killed',
+                  'returncode': -9}):
+    with pytest.raises(desktop.DesktopError, match='could not run'):
+      evaluators.evaluate(FakeClient(answer), check)
+  ran = {'status': 'success', 'error': 'cat: ~/x: missing', 'returncode': 1}
+  assert not evaluators.evaluate(FakeClient(dict(ran, output='')), check)
+  assert evaluators.evaluate(FakeClient(dict(ran, output='hi\n')), check)
+
+
+def test_history_switch_shows_full_responses_or_canonical_actions():
+  """'full': the agent's earlier responses as assistant turns (the
+  authors'); 'canonical' (the default): the actions they parsed to."""
+  assert osworld_config.get_config().env.history == 'canonical'
+  assert osworld_config.get_config('smoke').env.history == 'canonical'
+  now = base.Observation('now', (png((9, 9, 9)),))
+  responses = [f'I think {k}.\n' + call('left_click', coordinate=[k, k])
+               for k in range(3)]
+  shown = {}
+  for history in osworld.HISTORIES:
+    env = make_env(history=history)
+    spec = env.tasks('train')[0]
+    turns = [(now, env.parse_action(r, now)) for r in responses]
+    messages = env.policy_messages(spec, turns, now)
+    shown[history] = [m['content'] for m in messages
+                      if m['role'] == 'assistant']
+    text = messages[-1]['content'][-1]['text']
+    assert ('Step 3: do it. {"action": "left_click", "coordinate": [2, 2]}'
+            in text)  # the text list of actions is compact either way
+  assert shown['full'] == responses[1:]
+  assert shown['canonical'] == [
+      prompts.canonical('do it.', {'action': 'left_click',
+                                   'coordinate': [k, k]}) for k in (1, 2)]
+  with pytest.raises(ValueError, match='history'):
+    make_env(history='thoughts')
+
+
+def test_judge_sees_the_answer_prefix():
+  """The RM reads the whole answer, prefix included, as AlfWorld's."""
+  prefix = 'Action: click.\n<tool_call>\n{"name": "computer_use", '
+  env = make_env(answer_prefix=prefix)
+  after = base.Observation('after', (png((1, 1, 1)), png((2, 2, 2))))
+  rest = '"arguments": {"action": "left_click", "coordinate": [1, 2]}}'
+  messages = env.judge_messages(env.tasks('train')[0], '', rest, after)
+  text = ''.join(p.get('text', '') for p in messages[1]['content'])
+  assert prefix + rest in text
+  messages = env.judge_messages(env.tasks('train')[0], '', prefix + rest,
+                                after)  # a response that repeats it
+  text = ''.join(p.get('text', '') for p in messages[1]['content'])
+  assert prefix + rest in text and prefix + prefix not in text
 
 
 def test_smoke_config_validates():

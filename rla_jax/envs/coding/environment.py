@@ -7,8 +7,8 @@ results in `info`. The reward model does not judge steps: each RM sample
 writes ONE unit test (`rm_messages`, `parse_unit_test`), which runs against
 every program of the task (`execute`); rla_jax.feedback turns those results
 into the policy's and the RM's rewards (config.feedback.mode='unit_tests').
-The curator's rewrites (rewrite.py) are checked by running the new
-tests.
+The curator's rewrites (rewrite.py) are rejected when their tests
+contradict each other, and annotated by running the old solvers on them.
 """
 
 from __future__ import annotations
@@ -68,10 +68,14 @@ NO_PROGRAM = 'no_program'
 _FENCE = re.compile(r'```([^\n`]*)\n(.*?)```', re.DOTALL)
 _OPEN_FENCE = re.compile(r'```[ \t]*(?:python3?|py)[ \t]*\n', re.IGNORECASE)
 _PYTHON_TAG = re.compile(r'\s*(?:python3?|py)\s*$', re.IGNORECASE)
-_MARKER = r'\*{0,2}[ \t]*test[ \t]+%s[ \t]*:?[ \t]*\*{0,2}[ \t]*:?'
-_INPUT_MARKER = re.compile(_MARKER % 'input', re.IGNORECASE)
-_OUTPUT_MARKER = re.compile(_MARKER % 'output', re.IGNORECASE)
-_END_MARKER = re.compile(r'\*{0,2}[ \t]*explanation[ \t]*:?', re.IGNORECASE)
+# The RM's answer markers (5.4): bold with a colon, '**Test Input:**', or
+# the colon just outside the stars ('**Test Input**:'), any letter case.
+# Stars and colon are required: the reasoning and the explanation talk about
+# 'the test input' in prose, and prose must never start a section.
+_MARKER = r'\*\*[ \t]*%s[ \t]*(?::[ \t]*\*\*|\*\*[ \t]*:)'
+_INPUT_MARKER = re.compile(_MARKER % r'test[ \t]+input', re.IGNORECASE)
+_OUTPUT_MARKER = re.compile(_MARKER % r'test[ \t]+output', re.IGNORECASE)
+_END_MARKER = re.compile(_MARKER % 'explanation', re.IGNORECASE)
 ALPHABET = string.printable.replace('\x0b', '').replace('\x0c', '').replace(
     '\r', '')
 
@@ -116,8 +120,9 @@ def parse_unit_test(text: str) -> tuple[str, str] | None:
   '**Test Output:**' marker; each part is the last fenced block after its
   marker (the input's ends at the output marker, the output's at
   '**Explanation:**' or the end), else the plain text there; CRLF -> LF,
-  leading and trailing newlines stripped. Markers match case-insensitively,
-  with or without the bold stars and the colon.
+  leading and trailing newlines stripped. Markers need their bold stars
+  and colon (see _MARKER); letter case and a colon outside the stars are
+  tolerated, as models write them.
   """
   text = text.replace('\r\n', '\n')
   for start in reversed(list(_INPUT_MARKER.finditer(text))):

@@ -41,32 +41,11 @@ and its exit kills whatever the program left, so no zombie or process
 outlives a run (bwrap's own init would leave a zombie per run on this
 machine, see ENVIRONMENTS.md).
 
-Kernel memory (issue 31). Files, buffers and kernel objects cost memory that
-RLIMIT_AS does not count, and without a memory cgroup nothing else would:
-in 64 MB of /tmp, one program made 3.09 M empty files (up to 1.5 KB of
-kernel memory each). So each kind is bounded or closed, and
-`kernel_memory_bound` states what a program can still hold (0.56 GB per
-sandbox for the default Limits, plus page tables, see there):
-- /tmp and /dev/shm cap their inodes as well as their size (Limits.tmp_files:
-  files, directories and links alike). bwrap 0.8 cannot pass nr_inodes, so
-  the harness mounts both itself: bwrap raises CAP_SYS_ADMIN for it alone
-  (--cap-add, which an unprivileged user namespace allows), and it drops
-  every capability, bounding and ambient sets included, and sets
-  no_new_privs before any runner starts. A setuid bwrap refuses --cap-add:
-  then one warning, and bwrap's own tmpfs, whose files are not bounded.
-- A seccomp filter (bwrap --seccomp, for every process of the sandbox)
-  refuses what allocates kernel memory per call or per fd: memfd_create (an
-  uncapped internal tmpfs), SysV shared memory, message queues and
-  semaphores, POSIX message queues, io_uring, BPF, perf events; epoll,
-  inotify and fanotify (watches); splice, tee, vmsplice and sendfile (pipe
-  and socket slots that pin pages); every socket but a unix stream one,
-  listen() (one listener held 0.9 GB in unaccepted connections), larger
-  socket buffers or pipes, byte-range locks and names of mappings. Python's
-  multiprocessing (not its managers), subprocess, threads and tempfile keep
-  working; asyncio's event loop (epoll) and sqlite3 files (locks) do not.
-- Runners get RLIMIT_MSGQUEUE 0, RLIMIT_SIGPENDING 64 and oom_score_adj
-  1000: page tables, which no limit here bounds, count in a process's OOM
-  score, so under memory pressure the kernel kills runners first.
+Kernel memory. Files, buffers and kernel objects cost memory that
+RLIMIT_AS does not count: the tmpfs cap inodes too (Limits.tmp_files), a
+seccomp filter refuses what allocates more per call, and
+`kernel_memory_bound` states what a program can still hold
+(sandbox_kernel.py says how and why).
 
 Programs get the host's system Python (Limits.python) with its standard
 library only: `-I -S`, so no site-packages (and no numpy).
@@ -81,6 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent import futures
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -598,10 +578,8 @@ def _kill_tree(proc: subprocess.Popen):
   namespace and lets bwrap exit by itself.
   """
   for pid in _children(proc.pid):
-    try:
+    with contextlib.suppress(OSError):
       os.kill(pid, 9)
-    except OSError:
-      pass
   try:
     proc.communicate(timeout=5)
   except subprocess.TimeoutExpired:
@@ -610,15 +588,13 @@ def _kill_tree(proc: subprocess.Popen):
 
 
 def _children(pid: int) -> list[int]:
+  """Pids whose parent is `pid` (from /proc/*/stat)."""
   out = []
-  for name in os.listdir('/proc'):
-    if not name.isdigit():
-      continue
+  for name in filter(str.isdigit, os.listdir('/proc')):
     try:
       with open(f'/proc/{name}/stat', 'rb') as f:
-        fields = f.read().rsplit(b')', 1)[1].split()
+        if int(f.read().rsplit(b')', 1)[1].split()[1]) == pid:
+          out.append(int(name))
     except OSError:
       continue
-    if int(fields[1]) == pid:
-      out.append(int(name))
   return out

@@ -1,12 +1,37 @@
 """What a sandboxed program can hold in the kernel, outside RLIMIT_AS.
 
-sandbox.py's "Kernel memory" paragraph says why: files, buffers and kernel
-objects cost memory that RLIMIT_AS does not count. Here are the pieces that
-bound it: the sizes and inode counts of the sandbox's two tmpfs
+Here are the pieces that bound it: the sizes and inode counts of the sandbox's two tmpfs
 (`tmp_mounts`, mounted by sandbox_harness.py), the seccomp filter every
 process of the sandbox runs under (`seccomp_filter`, handed to bwrap by
 `seccomp_fd`), and the worst case of what is left (`kernel_memory_bound`).
 `limits` arguments are sandbox.Limits.
+
+Why. Files, buffers and kernel objects cost memory that RLIMIT_AS does not
+count, and without a memory cgroup nothing else would:
+in 64 MB of /tmp, one program made 3.09 M empty files (up to 1.5 KB of
+kernel memory each). So each kind is bounded or closed, and
+`kernel_memory_bound` states what a program can still hold (0.56 GB per
+sandbox for the default Limits, plus page tables, see there):
+- /tmp and /dev/shm cap their inodes as well as their size (Limits.tmp_files:
+  files, directories and links alike). bwrap 0.8 cannot pass nr_inodes, so
+  the harness mounts both itself: bwrap raises CAP_SYS_ADMIN for it alone
+  (--cap-add, which an unprivileged user namespace allows), and it drops
+  every capability, bounding and ambient sets included, and sets
+  no_new_privs before any runner starts. A setuid bwrap refuses --cap-add:
+  then one warning, and bwrap's own tmpfs, whose files are not bounded.
+- A seccomp filter (bwrap --seccomp, for every process of the sandbox)
+  refuses what allocates kernel memory per call or per fd: memfd_create (an
+  uncapped internal tmpfs), SysV shared memory, message queues and
+  semaphores, POSIX message queues, io_uring, BPF, perf events; epoll,
+  inotify and fanotify (watches); splice, tee, vmsplice and sendfile (pipe
+  and socket slots that pin pages); every socket but a unix stream one,
+  listen() (one listener held 0.9 GB in unaccepted connections), larger
+  socket buffers or pipes, byte-range locks and names of mappings. Python's
+  multiprocessing (not its managers), subprocess, threads and tempfile keep
+  working; asyncio's event loop (epoll) and sqlite3 files (locks) do not.
+- Runners get RLIMIT_MSGQUEUE 0, RLIMIT_SIGPENDING 64 and oom_score_adj
+  1000: page tables, which no limit here bounds, count in a process's OOM
+  score, so under memory pressure the kernel kills runners first.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ a clean desktop, then the task's set-up), `screenshot()`, `accessibility()`,
 - `VM`: OSWorld's `desktop_env.DesktopEnv` (`pip install desktop-env`;
   providers docker, vmware, virtualbox, aws, ...), for the benchmark's
   task files: DesktopEnv reverts the VM snapshot and runs the task's
-  set-up, and its own getters and metrics evaluate.
+  set-up, and its own getters and metrics evaluate (the evaluator that
+  the task's `current_task` names: vm_task).
 
 A `Pool` hands one desktop to each episode that runs at once, starting
 them on demand.
@@ -108,6 +109,7 @@ class VM:
 
   def __init__(self, vm):
     self.vm = vm
+    self._evaluator = None  # the evaluator of the last reset
 
   def alive(self) -> bool:
     return True  # DesktopEnv recovers its VM in reset()
@@ -119,10 +121,9 @@ class VM:
     self.vm.close()
 
   def start_task(self, spec: dict[str, Any]):
-    task = {k: v for k, v in spec.items()
-            if k not in ('evaluators', 'task_template', 'current_task')}
-    task['instruction'] = next(iter(spec['current_task'].values()))
+    task = vm_task(spec)
     self.vm.reset(task_config=task)
+    self._evaluator = task['evaluator']
 
   def screenshot(self) -> bytes:
     return self._checked(self.vm.controller.get_screenshot(), 'screenshot')
@@ -140,7 +141,17 @@ class VM:
     return int(size['width']), int(size['height'])
 
   def evaluate(self, spec: dict[str, Any], name: str) -> bool:
-    del spec, name  # DesktopEnv evaluates the task it was reset with
+    """Scores evaluator `name` of `spec`.
+
+    DesktopEnv.evaluate() scores the evaluator of its last reset; when
+    `name` is another one (start_task always resets with the one
+    evaluate is later asked for, so only a caller outside the episode
+    gets here) DesktopEnv is pointed at it first.
+    """
+    wanted = _evaluator(spec, name)
+    if wanted != self._evaluator:
+      self.vm._set_evaluator_info({'evaluator': wanted})  # pylint: disable=protected-access
+      self._evaluator = wanted
     return float(self.vm.evaluate()) > 0
 
   @staticmethod
@@ -148,6 +159,36 @@ class VM:
     if value is None:  # the controller logs and returns None on failure
       raise desktop.DesktopError(f'the OSWorld VM returned no {what}')
     return value
+
+
+def _current_name(spec: dict[str, Any]) -> str:
+  """The evaluator key of `current_task` (environment.evaluator_name,
+  which imports this module)."""
+  return next(iter(spec['current_task']))
+
+
+def _evaluator(spec: dict[str, Any], name: str) -> dict[str, Any]:
+  """OSWorld's evaluator object of key `name`: from `evaluators` in the
+  authors' format (one per key), else the task's single `evaluator`."""
+  if 'evaluators' in spec:
+    return spec['evaluators'][name]
+  return spec['evaluator']
+
+
+def vm_task(spec: dict[str, Any]) -> dict[str, Any]:
+  """The task config DesktopEnv.reset runs: the task's fields with the
+  instruction and the evaluator of its `current_task`.
+
+  A rewrite may switch `current_task` to another evaluator key, and the
+  JSON's own `evaluator` is the original one: a rollout of the rewrite
+  must be reset and scored with the evaluator its instruction names.
+  """
+  name = _current_name(spec)
+  task = {k: v for k, v in spec.items()
+          if k not in ('evaluators', 'task_template', 'current_task')}
+  task['instruction'] = spec['current_task'][name]
+  task['evaluator'] = _evaluator(spec, name)
+  return task
 
 
 def local_factory(env_config):

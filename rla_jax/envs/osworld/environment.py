@@ -58,6 +58,9 @@ CONFIG_STEPS = ('launch', 'execute', 'sleep')  # local set-up steps
 INVALID = 'INVALID ACTION'  # prefix of the action a failed parse executes
 VISION_TOKENS = ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>',
                  '<|video_pad|>')
+# What the policy's prompt shows of an earlier turn (config.env.history):
+# the agent's full response, or the canonical action it parsed to.
+HISTORIES = ('full', 'canonical')
 
 
 def load_tasks(task_dir: str) -> list[dict[str, Any]]:
@@ -274,8 +277,10 @@ class OSWorldEnv:
                retry_temperature: float, settle_s: float,
                image_max_pixels: int, observation_chars: int,
                answer_prefix: str, judge_prefix: str, max_critiques: int,
-               max_instruction_chars: int, judge_response_chars: int = 0,
-               local: bool = True):
+               max_instruction_chars: int, history: str,
+               judge_response_chars: int = 0, local: bool = True):
+    if history not in HISTORIES:
+      raise ValueError(f'config.env.history={history!r}: one of {HISTORIES}')
     self._tasks = list(tasks)
     self.local = local  # desktops of this host (provider 'local')
     self.pool, self.max_turns = pool, max_turns
@@ -287,6 +292,7 @@ class OSWorldEnv:
     self.max_critiques = max_critiques
     self.max_instruction_chars = max_instruction_chars
     self.judge_response_chars = judge_response_chars
+    self.history = history
 
   def tasks(self, split: str) -> list[dict[str, Any]]:
     if split not in SPLITS:
@@ -308,8 +314,14 @@ class OSWorldEnv:
 
   def policy_messages(self, spec, turns, observation) -> list[dict]:
     """System tool spec; up to max_images - 1 earlier screenshots, each
-    with the agent's action; the current screenshot, the instruction and
-    every earlier action as text (4.2)."""
+    with the agent's answer there; the current screenshot, the instruction
+    and every earlier action as text (4.2).
+
+    The answer is the agent's full response with history 'full' (the
+    authors'; parse_action then hands the episode that response) or its
+    canonical action with 'canonical'; the text list of earlier actions is
+    compact either way (prompts.history).
+    """
     messages = [{'role': 'system', 'content': prompts.SYSTEM}]
     shown = turns[len(turns) - (self.max_images - 1):] if (
         self.max_images > 1) else []
@@ -325,21 +337,33 @@ class OSWorldEnv:
       messages.append({'role': 'assistant', 'content': self.answer_prefix})
     return messages
 
-  def parse_action(self, response: str, observation: str) -> str:
-    del observation
-    full = response if response.startswith(self.answer_prefix) else (
+  def _full(self, response: str) -> str:
+    """The response with the answer prefix it continued."""
+    return response if response.startswith(self.answer_prefix) else (
         self.answer_prefix + response)
+
+  def parse_action(self, response: str, observation: str) -> str:
+    """The canonical action of the response, or with history 'full' the
+    full response itself: the rollout keeps what it returns as the turn's
+    action, and later prompts show that (the episode parses it again)."""
+    del observation
+    full = self._full(response)
     try:
       sentence, args = prompts.parse_tool_call(full)
     except prompts.ParseError as e:
       raise base.Unparseable(str(e), f'{INVALID}: {e}') from None
-    return prompts.canonical(sentence, args)
+    return full if self.history == 'full' else prompts.canonical(sentence,
+                                                                   args)
 
   # ---- reward model --------------------------------------------------------
 
   def judge_messages(self, spec, policy_prompt: str, response: str,
                      next_observation) -> list[dict]:
-    """The step, the screenshot it was taken on and the one after (4.3)."""
+    """The step, the screenshot it was taken on and the one after (4.3).
+
+    The RM reads the policy's whole answer, its answer prefix included (as
+    AlfWorld's judge): the prefix may hold the action's start.
+    """
     images = getattr(next_observation, 'images', ())
     if len(images) != 2:
       raise ValueError('an OSWorld step observation carries the screenshots '
@@ -351,7 +375,8 @@ class OSWorldEnv:
     text = prompts.JUDGE.format(instruction=instruction(spec),
                                 history=history,
                                 response=prompts.clip_middle(
-                                    response, self.judge_response_chars))
+                                    self._full(response),
+                                    self.judge_response_chars))
     first, rest = text.split('{before}')
     middle, last = rest.split('{after}')
     messages = [
@@ -481,7 +506,7 @@ def make_tokenizer(stage_texts: Sequence[str] = ()):
 ENV_OPTIONS = ('max_turns', 'max_images', 'parse_retries', 'retry_temperature',
                'settle_s', 'image_max_pixels', 'observation_chars',
                'answer_prefix', 'judge_prefix', 'max_critiques',
-               'max_instruction_chars', 'judge_response_chars')
+               'max_instruction_chars', 'judge_response_chars', 'history')
 
 
 def from_config(env_config, workdir: str) -> OSWorldEnv:

@@ -7,7 +7,8 @@ tree), like OSWorld's getters and metrics read a VM:
   file_text       {"path", "text", "match": "exact" | "contains"}: the file's
                   text (trailing whitespace ignored) equals / contains text
   file_exists     {"path", "exists": true | false}
-  command_output  {"command", "text", "match"}: a shell command's stdout
+  command_output  {"command", "text", "match"}: a shell command's stdout (a
+                  command that cannot run or times out is a desktop error)
   a11y_text       {"text"}: the accessibility tree shows this text
   all             {"items": [evaluators]}: every item passes
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from rla_jax.envs import base
+from rla_jax.envs.osworld import desktop
 
 MATCHES = ('exact', 'contains')
 _FIELDS = {
@@ -83,11 +85,27 @@ def evaluate(client, evaluator: dict[str, Any]) -> bool:
     return (client.file(evaluator['path']) is not None) == bool(
         evaluator['exists'])
   if func == 'command_output':
-    result = client.execute(evaluator['command'], shell=True)
-    return _matches(result.get('output') or '', evaluator)
+    return _matches(_command_output(client, evaluator['command']), evaluator)
   if func == 'a11y_text':
     return _escape(evaluator['text']) in client.accessibility()
   raise ValueError(f'unknown evaluator func {func!r}')
+
+
+def _command_output(client, command) -> str:
+  """The stdout of `command` run on the desktop.
+
+  A command that could not run or timed out (execute's status 'error')
+  says nothing about the agent's work: it raises desktop.DesktopError, as
+  an unreachable desktop does, so the trajectory is an environment error
+  and not a failed task. A command that ran and exited non-zero is read
+  as any other: its output decides.
+  """
+  result = client.execute(command, shell=True)
+  if result.get('status') == 'error':
+    detail = (result.get('message') or result.get('error') or '').strip()
+    raise desktop.DesktopError(f'evaluator command {command!r} could not run '
+                               f'or timed out: {detail[-300:]}')
+  return result.get('output') or ''
 
 
 def _escape(text: str) -> str:
