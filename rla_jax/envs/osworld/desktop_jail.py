@@ -152,8 +152,7 @@ while True:
 
 def command(argv: list[str], *, home: str, bin_dir: str, identity_dir: str,
             python_roots: list[str], environ, status_fd: int,
-            network: bool = False,
-            python_fds: dict[str, int] | None = None) -> list[str]:
+            network: bool = False) -> list[str]:
   """The argv that runs `argv` in a jail of its own (see the docstring).
 
   The command keeps our uid inside (the buses' EXTERNAL authentication
@@ -162,11 +161,9 @@ def command(argv: list[str], *, home: str, bin_dir: str, identity_dir: str,
   `home` is bound at /home/user, `bin_dir` (the python wrappers) and
   `python_roots` (the apps' interpreter's folders) read-only at their own
   paths; the X socket, the buses' sockets and the X authority file of
-  `environ` read-only. `python_fds`: open fds of some of those folders
-  (bound from the fd: for a folder this uid could not enter by its path);
-  the caller passes them on. The jail's PID 1 (INIT) writes the command's
-  exit code to `status_fd` (the caller passes it on too) and the jail
-  lives on while anything the command started runs.
+  `environ` read-only. The jail's PID 1 (INIT) writes the command's exit
+  code to `status_fd` (the caller passes it on) and the jail lives on while
+  anything the command started runs.
   """
   # The host name stays: the X cookie names it.
   args = [shutil.which('bwrap'), '--unshare-user', '--unshare-pid',
@@ -183,9 +180,7 @@ def command(argv: list[str], *, home: str, bin_dir: str, identity_dir: str,
            '--tmpfs', '/run', '--dir', _RUNTIME, '--chmod', '0700', _RUNTIME,
            '--bind', home, HOME, '--ro-bind', bin_dir, _BIN]
   for root in python_roots:
-    fd = (python_fds or {}).get(root)
-    args += (['--ro-bind-fd', str(fd), root] if fd is not None else
-             ['--ro-bind', root, root])
+    args += ['--ro-bind', root, root]
   for path in socket_paths(environ):
     if os.path.exists(path):
       args += ['--ro-bind', path, path]
@@ -238,8 +233,8 @@ class Jailed:
 
 
 def _children(pids):
-  """{pid: ppid} of the processes whose parent is in pids."""
-  pids, found = set(pids), {}
+  """The pids of the processes whose parent is in pids."""
+  pids, found = set(pids), []
   for entry in os.listdir('/proc'):
     if entry.isdigit():
       try:
@@ -248,7 +243,7 @@ def _children(pids):
       except (OSError, ValueError, IndexError):
         continue
       if ppid in pids:
-        found[int(entry)] = ppid
+        found.append(int(entry))
   return found
 
 
@@ -281,3 +276,12 @@ def members(spaces):
     except (OSError, ProcessLookupError):
       continue
   return found
+
+
+def kill(pid_or_group):
+  """SIGKILLs a process (a negative number: a process group) that may be
+  gone already."""
+  try:
+    os.kill(pid_or_group, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass

@@ -238,6 +238,10 @@ class Desktop:
 
   # -- processes ------------------------------------------------------------
 
+  def program(self, name):
+    """The host path of program `name` where the apps find it, or None."""
+    return shutil.which(name, path=self.host_path)
+
   def popen(self, command, shell, **kwargs):
     """Starts command in its own process group, in the apps' environment
     (and, sandboxed, in a jail of its own: desktop_jail.py, whose process
@@ -247,7 +251,7 @@ class Desktop:
       command = [self.python] + command[1:]
     status = None
     if self.sandbox:
-      if not shell and not shutil.which(command[0], path=self.host_path):
+      if not shell and not self.program(command[0]):
         raise FileNotFoundError(f'no program {command[0]!r}')
       status, status_w = os.pipe()
       command = desktop_jail.command(
@@ -309,7 +313,7 @@ class Desktop:
     while True:
       for proc in procs:  # reap our children (and send their groups SIGKILL)
         if proc.poll() is None:
-          _signal(-proc.pid)
+          desktop_jail.kill(-proc.pid)
       victims = self.tagged()
       victims.update(desktop_jail.members(jails))
       if not victims:
@@ -319,8 +323,8 @@ class Desktop:
                            f'for {RESET_WAIT_S} s')
       for pid, group in victims.items():
         if group in groups and group != own:
-          _signal(-group)
-        _signal(pid)
+          desktop_jail.kill(-group)
+        desktop_jail.kill(pid)
       time.sleep(0.005)
 
   # -- X --------------------------------------------------------------------
@@ -339,13 +343,6 @@ class Desktop:
       screen = d.screen()
       return screen.width_in_pixels, screen.height_in_pixels
     return self.with_x(size)
-
-
-def _signal(pid_or_group):
-  try:
-    os.kill(pid_or_group, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
 
 
 # -- handlers -----------------------------------------------------------------

@@ -27,7 +27,6 @@ import mimetypes
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import urllib.parse
 
 
 import desktop_files  # this folder (the script's)
+import desktop_jail
 import desktop_windows
 
 UPLOAD_LIMIT = 64 << 20  # bytes of a /setup/upload body: what /file serves
@@ -157,7 +157,7 @@ def run_captured(desk, command, shell, timeout, merge=False):
     try:
       return proc.wait(timeout), _read_capped(out), _read_capped(err), False
     except subprocess.TimeoutExpired:
-      desktop_windows.kill_group(proc.pid)
+      desktop_jail.kill(-proc.pid)
       return proc.wait(), _read_capped(out), _read_capped(err), True
 
 
@@ -355,8 +355,7 @@ def open_file(desk, request):
   if host and os.path.exists(host):
     seen = desktop_files.apps_path(desk, host)
     command, title = _opener(seen), os.path.basename(host)
-  elif '/' not in path and shutil.which(
-      path, path=getattr(desk, 'env', {}).get('PATH')):
+  elif '/' not in path and desk.program(path):
     command, title = [path], os.path.basename(path)
   elif refused:
     raise refused

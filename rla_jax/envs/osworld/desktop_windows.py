@@ -29,6 +29,7 @@ from Xlib.protocol import event as xevent
 
 
 import desktop_files  # this folder (the script's)
+import desktop_jail
 
 # -- windows --------------------------------------------------------------
 
@@ -311,7 +312,7 @@ def stop_recording():
     try:
       proc.wait(15)
     except subprocess.TimeoutExpired:
-      kill_group(proc.pid)
+      desktop_jail.kill(-proc.pid)
       proc.wait()
   try:
     with open(os.path.join(folder, 'ffmpeg.log'), 'rb') as f:
@@ -323,14 +324,6 @@ def stop_recording():
       return f.read(), log
   finally:
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def kill_group(pid):
-  """SIGKILLs a process group that may be gone already."""
-  try:
-    os.killpg(pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
 
 
 # -- the screen's input and cursor (the server's screenshot and reset) -----
