@@ -65,6 +65,7 @@ def env_section() -> ml_collections.ConfigDict:
           prompt_tests=8,  # tests shown per list
           consistency_check=True,  # run the new tests on old solvers, to
                                    # annotate the rewrite (never rejects;
+                                   # the checks that reject always run:
                                    # coding_rewrite.check_consistency)
           max_witnesses=4,  # old solvers run on the new tests
           workers=0,  # 0 = CPU count

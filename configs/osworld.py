@@ -21,8 +21,11 @@ episode) running the project's own tasks (rla_jax/envs/osworld/tasks: 12
 tasks over mousepad, zenity dialogs and xterm), so numbers are not
 comparable with the paper's OSWorld scores (31.1 -> 40.2). For the
 benchmark itself: `pip install desktop-env`, a folder of OSWorld task JSONs
-(with the authors' `current_task` / `task_template`, or plain ones: one
-evaluator each), and
+(the authors' format: `evaluator_list` or `evaluators` name -> OSWorld
+evaluator, `current_task`, `task_template`, e.g. one domain folder of their
+evaluation_examples/new_examples; or plain ones: one `evaluator` each),
+checked at load against OSWorld's formats (rla_jax/envs/osworld/
+task_formats.py), and
 
   --config.env.provider=vm --config.env.vm.provider_name=docker \
   --config.env.task_dir=/data/osworld_train
@@ -63,6 +66,7 @@ def env_section() -> ml_collections.ConfigDict:
           os_type='Ubuntu',
       ),
       task_dir='',  # folder of task JSONs; '' = rla_jax/envs/osworld/tasks
+                    # (local ones); provider 'vm' takes OSWorld's format
       max_desktops=16,  # local desktops started on demand (one per episode
                         # running at once)
       acquire_timeout_s=600.0,  # wait for a free desktop, then fail loudly

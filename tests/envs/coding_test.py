@@ -500,7 +500,7 @@ def test_rewrite_accepts_the_first_valid_proposal():
   assert new['id'].startswith('add.v1-') and new['parent_id'] == 'add'
   assert new['tests'][0] == ['1 2', '3'] and new['time_limit_s'] == 4.0
   assert env.difficulty(new) == 1.0
-  changed = _proposal(['1 2', '3 4', '2 2', '0 5'], ['2', '12', '4', '0'])
+  changed = _proposal(['3 4', '2 3', '2 2', '0 5'], ['12', '6', '4', '0'])
   new = env.rewrite(_request(), lambda prompts: [changed] * len(prompts), 1)
   assert new['consistency'] == 'unverified'  # a*b: the old solver is no help
   new = env.rewrite(_request(programs=('print(0)',)),
@@ -523,9 +523,49 @@ def test_generalising_rewrite_passes_the_consistency_check():
   candidate = coding_rewrite.parse_proposal(MOD_SUM, ADD_SPEC, structs.HARDER,
                                             rc)
   assert coding_rewrite.check_consistency(
-      candidate, request.trajectories, rc, env.limits) == 'unverified'
+      candidate, ADD_SPEC, request.trajectories, rc,
+      env.limits) == 'unverified'
   new = env.rewrite(request, lambda prompts: [MOD_SUM] * len(prompts), 1)
   assert new['tests'][3][1] == '98' and new['consistency'] == 'unverified'
+
+
+# a*b: old test 1 ('1 2' -> 3) now answers 2, so the old solver fails it.
+PRODUCT = _proposal(['1 2', '10 20', '-5 5', '7 8'], ['2', '200', '-25', '56'])
+
+
+@pytest.mark.parametrize('checked', [True, False])
+def test_harder_rewrite_that_changes_an_old_answer_is_rejected(checked):
+  # Issue 32.3: a witness (ADD) fails a new test on an old test's input. The
+  # check needs no sandbox; the curator counts it under its own reason.
+  env = _env()
+  env.config.rewrite.consistency_check = checked
+  candidate = coding_rewrite.parse_proposal(PRODUCT, ADD_SPEC, structs.HARDER,
+                                            env.config.rewrite)
+  with pytest.raises(base.RewriteRejected,
+                     match=f'^{coding_rewrite.CHANGED_ANSWER}: test 1 has the '
+                           'input of old test 1') as e:
+    coding_rewrite.check_consistency(candidate, ADD_SPEC,
+                                     _request().trajectories,
+                                     env.config.rewrite, env.limits)
+  assert e.value.reason == coding_rewrite.CHANGED_OLD_ANSWER
+  pool = curator.build_pool([ADD_SPEC])
+  config = ml_collections.ConfigDict(dict(
+      alpha_low=0.2, alpha_high=0.8, rewrite_attempts=2, critiques=False,
+      easier_strict=True, pending_max_tries=2))
+  pool, stats = curator.request_rewrites(
+      pool, env, _request().trajectories, [], {('add', 'active'): 1.0},
+      lambda prompts: [PRODUCT] * len(prompts), 1, config)
+  assert stats['curator/rejected_changed_old_answer'] == 2
+  assert stats['curator/rewrite_rejected'] == 1 and pool[0].pending is None
+
+
+def test_easier_rewrite_may_change_an_old_answer():
+  # An easier rewrite may drop a rule; its acceptance judges it.
+  env = _env()
+  env.config.rewrite.consistency_check = False
+  new = env.rewrite(_request(direction=structs.EASIER),
+                    lambda prompts: [PRODUCT] * len(prompts), 1)
+  assert new['tests'][0] == ['1 2', '2'] and new['consistency'] == 'not checked'
 
 
 def test_same_input_two_outputs_is_a_contradiction():
@@ -539,7 +579,7 @@ def test_same_input_two_outputs_is_a_contradiction():
     rc.consistency_check = checked
     with pytest.raises(base.RewriteRejected,
                        match=f'^{coding_rewrite.CONTRADICTION}: tests 1 and 4 '):
-      coding_rewrite.check_consistency(clash, [], rc, env.limits)
+      coding_rewrite.check_consistency(clash, ADD_SPEC, [], rc, env.limits)
   assert coding_rewrite.contradiction([['1', '2'], ['1\n', '2\n']]) is None
 
 

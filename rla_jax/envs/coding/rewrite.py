@@ -5,9 +5,10 @@ problem with the pass rate of each of its tests over this epoch's programs
 (the authors show 0.0 for every test, bug B15), and the RM's tests with
 their pass rates (the critic feedback; they may be wrong). It answers with
 ONE JSON object. Beyond the authors (who check only the JSON's shape), a
-proposal whose tests contradict each other is rejected, and the programs
-that solved the old version are run on the new tests to annotate it (see
-`check_consistency`). Every rejection carries a reason.
+proposal whose tests contradict each other, or a harder one that changes an
+old test's answer, is rejected, and the programs that solved the old version
+are run on the new tests to annotate it (see `check_consistency`). Every
+rejection carries a reason.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ from rla_jax.envs import base
 from rla_jax.envs.coding import data as coding_data
 from rla_jax.envs.coding import sandbox
 
-# The reason of a rewrite rejected by check_consistency: it starts the
+# The reasons of a rewrite rejected by check_consistency: they start the
 # RewriteRejected message, so the rewrite log (and the knob fallback's
 # 'rejected_proposals') tells these apart from malformed proposals.
 CONTRADICTION = 'contradictory tests'
+CHANGED_ANSWER = 'changed an old answer'
 # RewriteRejected.reason keys (curator/rejected_<reason>, one per proposal).
 NO_JSON = 'no_json'  # no JSON object in the answer
 MALFORMED_JSON = 'malformed_json'  # a JSON object that does not decode
 INVALID_FIELDS = 'invalid_fields'  # a field missing, of a wrong type or size
 TOO_FEW_TESTS = 'too_few_tests'  # fewer distinct tests than num_unit_tests
 CONTRADICTORY_TESTS = 'contradictory_tests'  # check_consistency: CONTRADICTION
+CHANGED_OLD_ANSWER = 'changed_old_answer'  # check_consistency: CHANGED_ANSWER
 ASSERT_STYLE = 'assert_style'  # the problem is not rewritten (no proposals)
 NO_PROPOSAL = 'no_proposal'  # the env LLM gave no completions
 # The spec mark (base.FALLBACK_KEY) of a problem knob_rewrite made.
@@ -73,7 +76,7 @@ def rewrite(env, request: base.RewriteRequest, generate: base.GenerateFn,
     try:
       candidate = parse_proposal(text, spec, direction, rc)
       candidate['consistency'] = check_consistency(
-          candidate, request.trajectories, rc, env.limits)
+          candidate, spec, request.trajectories, rc, env.limits)
       return candidate
     except base.RewriteRejected as e:
       reasons.append(str(e))
@@ -324,30 +327,51 @@ def contradiction(tests) -> str | None:
   return None
 
 
-def check_consistency(candidate: dict[str, Any], trajectories, rc,
-                      limits: sandbox.Limits) -> str:
-  """RewriteRejected (reason CONTRADICTION) when the new tests contradict
-  each other; else what running the old version's solvers on them found.
+def changed_answer(tests, old_tests) -> str | None:
+  """Which of `tests` gives an input of `old_tests` (up to whitespace)
+  another output (up to whitespace); None when none does."""
+  old: dict[str, int] = {}
+  for j, (stdin, _) in enumerate(old_tests):
+    old.setdefault(_key(stdin), j)
+  for i, (stdin, out) in enumerate(tests):
+    j = old.get(_key(stdin))
+    if j is not None and _key(old_tests[j][1]) != _key(out):
+      return (f'test {i + 1} has the input of old test {j + 1} but another '
+              'output')
+  return None
 
-  Rejects only what is wrong for every reading of the new statement: the
-  same input with two outputs (`contradiction`). A program that solved the
-  old version says nothing against a new test it fails: a rewrite changes
-  the rules ('the sum' -> 'the sum mod 1e9+7, values up to 1e18', the most
-  common harder rewrite, leaves the old solver right on small tests and
-  wrong on the rest), and its inputs can lie inside the old constraints.
-  Telling "inside the old constraints" from outside would need the old
-  problem's constraints as data, which dataset problems lack and which a
-  rule change voids anyway, so no witness result rejects (issue 32.3). The
-  witnesses annotate the rewrite instead: 'consistent' when one passes every
-  new test, 'unverified' otherwise, 'no witnesses' when no program solved
-  the old version, 'not checked' with `rc.consistency_check` off. The
-  proposal's acceptance next epoch (acc_new > 0) is the sanity check the
-  authors rely on.
+
+def check_consistency(candidate: dict[str, Any], old: dict[str, Any],
+                      trajectories, rc, limits: sandbox.Limits) -> str:
+  """RewriteRejected when the new tests contradict each other or, in a
+  harder rewrite, the old version `old`; else what running the old
+  version's solvers on them found.
+
+  Rejects (issue 32.3) the same input with two outputs (`contradiction`,
+  CONTRADICTORY_TESTS), and a harder rewrite's test on an input of an old
+  test with another output (`changed_answer`, CHANGED_OLD_ANSWER). The old
+  tests' inputs are the part of the old constraints a machine can tell, and
+  a harder rewrite generalises ('the sum' -> 'the sum mod 1e9+7, values up
+  to 1e18' keeps every old answer). This is "a witness fails a test inside
+  the old constraints" made exact: a witness passed every old test by the
+  same whitespace-collapsed comparison, so it fails exactly these, and the
+  check needs neither witnesses nor the sandbox. An easier rewrite may drop
+  a rule, which changes old answers, so only its acceptance judges it. A
+  witness failing any other test says nothing (its input may lie outside
+  the old constraints): the witnesses annotate the rewrite, 'consistent'
+  when one passes every new test, 'unverified' otherwise, 'no witnesses'
+  when no program solved the old version, 'not checked' with
+  `rc.consistency_check` off.
   """
   why = contradiction(candidate['tests'])
   if why:
     raise base.RewriteRejected(f'{CONTRADICTION}: {why}',
                                reason=CONTRADICTORY_TESTS)
+  why = (candidate['direction'] == structs.HARDER and
+         changed_answer(candidate['tests'], old.get('tests', ())))
+  if why:
+    raise base.RewriteRejected(f'{CHANGED_ANSWER}: {why}',
+                               reason=CHANGED_OLD_ANSWER)
   if not rc.consistency_check:
     return 'not checked'
   witnesses = solved_programs(trajectories, rc.max_witnesses)

@@ -8,6 +8,7 @@ calls out, sent as pyautogui code through OSWorld's controller API.
   task loading and the tokenizer of random models.
 - prompts.py: the policy and judge prompts, tool-call parsing, rewrites.
 - evaluators.py: the local tasks' evaluators.
+- task_formats.py: the checks of OSWorld's task format (provider 'vm').
 - desktops.py: the desktops episodes run on: local ones or OSWorld's VMs.
 - desktop.py: the client of one local desktop (launch/desktop.sh).
 - desktop_server.py, desktop_a11y.py: the desktop's controller server and

@@ -15,12 +15,16 @@ Tasks are OSWorld task JSONs with the RLAnything fields: `evaluators` (name
 -> evaluator), `task_template` (name -> canonical instruction) and
 `current_task` (the one active name -> its instruction), and optionally
 `network` (true: the task's apps may reach the network; the local desktops'
-jails have none by default, and no bundled task asks). The curator's rewrite
-(4.5) asks the environment LLM for a one-key JSON object: keep or switch the
-evaluator, add or remove hints; a proposal that does not parse, names an
-unknown evaluator or changes nothing is rejected, and when none is valid the
-rewrite is a logged rejection (the authors fall back to the unchanged task
-silently).
+jails have none by default, and no bundled task asks). Local desktops take
+the local evaluators (evaluators.py) and set-up steps; provider 'vm' takes
+OSWorld's own (metrics over getters, SetupController steps: task_formats.py),
+and reads the authors' released `evaluator_list` as `evaluators`.
+
+The curator's rewrite (4.5) asks the environment LLM for a one-key JSON
+object: keep or switch the evaluator, add or remove hints; a proposal that
+does not parse, names an unknown evaluator or changes nothing is rejected,
+and when none is valid the rewrite is a logged rejection (the authors fall
+back to the unchanged task silently).
 
 Desktops (desktops.py): provider 'local' runs one desktop of this
 host per concurrent episode (launch/desktop.sh), started on demand and
@@ -51,9 +55,11 @@ from rla_jax.envs.osworld import desktop
 from rla_jax.envs.osworld import desktops
 from rla_jax.envs.osworld import evaluators as osworld_eval
 from rla_jax.envs.osworld import prompts
+from rla_jax.envs.osworld import task_formats
 
 TASK_DIR = os.path.join(os.path.dirname(__file__), 'tasks')
 SPLITS = ('train', 'eval')  # the authors evaluate on the training tasks
+PROVIDERS = ('local', 'vm')  # config.env.provider (desktops.py)
 CONFIG_STEPS = ('launch', 'execute', 'sleep')  # local set-up steps
 INVALID = 'INVALID ACTION'  # prefix of the action a failed parse executes
 VISION_TOKENS = ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>',
@@ -63,8 +69,11 @@ VISION_TOKENS = ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>',
 HISTORIES = ('full', 'canonical')
 
 
-def load_tasks(task_dir: str) -> list[dict[str, Any]]:
-  """Every *.json task of `task_dir`, checked, sorted by id."""
+def load_tasks(task_dir: str, provider: str = 'local') -> list[dict[str, Any]]:
+  """Every *.json task of `task_dir`, checked for `provider`
+  (config.env.provider: 'local' for the bundled tasks), sorted by id."""
+  if provider not in PROVIDERS:
+    raise ValueError(f'config.env.provider={provider!r}: one of {PROVIDERS}')
   if not os.path.isdir(task_dir):
     raise base.DataError(f'config.env.task_dir={task_dir!r}: no such folder')
   tasks = []
@@ -79,7 +88,7 @@ def load_tasks(task_dir: str) -> list[dict[str, Any]]:
       raise base.DataError(f'{path}: cannot read ({e.strerror})') from None
     except ValueError as e:  # JSON and UTF-8 errors
       raise base.DataError(f'{path}: not JSON ({e})') from None
-    tasks.append(_checked(spec, path))
+    tasks.append(_checked(spec, path, provider))
   if not tasks:
     raise base.DataError(f'config.env.task_dir={task_dir!r}: no *.json tasks')
   ids = [t['id'] for t in tasks]
@@ -88,18 +97,29 @@ def load_tasks(task_dir: str) -> list[dict[str, Any]]:
   return sorted(tasks, key=lambda t: t['id'])
 
 
-def _checked(spec: Any, where: str) -> dict[str, Any]:
-  """The task with its RLAnything fields filled in and validated."""
+def _checked(spec: Any, where: str, provider: str) -> dict[str, Any]:
+  """The task with its RLAnything fields filled in and validated: OSWorld's
+  formats (task_formats.py) for provider 'vm', the local ones otherwise."""
   if not isinstance(spec, dict) or not isinstance(spec.get('id'), str):
     raise base.DataError(f'{where}: a task is an object with a string "id"')
   spec = dict(spec)
   if not isinstance(spec.get('network', False), bool):
     raise base.DataError(f'{where}: "network" (whether the task\'s apps may '
                          'reach the network; default false) is true or false')
+  if 'evaluator_list' in spec:  # the authors' released files' name for it
+    if 'evaluators' in spec:
+      raise base.DataError(f'{where}: both "evaluators" and "evaluator_list" '
+                           '(the same map, by the authors\' name): keep one')
+    spec['evaluators'] = spec.pop('evaluator_list')
   if 'evaluators' not in spec:  # an OSWorld benchmark task: one evaluator
-    if 'evaluator' not in spec or 'instruction' not in spec:
+    if 'evaluator' not in spec or not isinstance(spec.get('instruction'), str):
       raise base.DataError(f'{where}: needs "evaluators" (local tasks) or '
                            '"evaluator" and "instruction" (OSWorld tasks)')
+    if provider != 'vm':
+      raise base.DataError(f'{where}: an OSWorld task ("evaluator", no '
+                           '"evaluators"): needs config.env.provider=\'vm\'')
+    task_formats.check_evaluator(spec['evaluator'], f'{where}: evaluator')
+    task_formats.check_steps(spec.get('config', []), f'{where}: config')
     spec.setdefault('task_template', {'default': spec['instruction']})
     spec.setdefault('current_task', {'default': spec['instruction']})
   else:
@@ -107,8 +127,19 @@ def _checked(spec: Any, where: str) -> dict[str, Any]:
       raise base.DataError(f'{where}: "evaluators" is an object name -> '
                            'evaluator')
     for name, evaluator in spec['evaluators'].items():
-      osworld_eval.check(evaluator, f'{where}: evaluators.{name}')
-    _check_config(spec.get('config', []), where)
+      at = f'{where}: evaluators.{name}'
+      if provider == 'vm':
+        task_formats.check_evaluator(evaluator, at)
+      elif task_formats.is_metric_evaluator(evaluator):
+        raise base.DataError(f'{at}: an OSWorld metric evaluator (getters '
+                             '"result" / "expected"): its task needs '
+                             'config.env.provider=\'vm\'')
+      else:
+        osworld_eval.check(evaluator, at)
+    if provider == 'vm':
+      task_formats.check_steps(spec.get('config', []), f'{where}: config')
+    else:
+      _check_config(spec.get('config', []), where)
   template, current = spec.get('task_template'), spec.get('current_task')
   if not isinstance(template, dict) or not template:
     raise base.DataError(f'{where}: "task_template" is an object evaluator -> '
@@ -130,6 +161,10 @@ def _check_config(steps: Any, where: str) -> None:
     raise base.DataError(f'{where}: "config" is a list of steps')
   for k, step in enumerate(steps):
     at = f'{where}: config[{k}]'
+    if isinstance(step, dict) and step.get('type') in (
+        set(task_formats.SETUP_STEPS) - set(CONFIG_STEPS)):
+      raise base.DataError(f'{at}: {step["type"]!r} is an OSWorld set-up '
+                           'step: its task needs config.env.provider=\'vm\'')
     if not isinstance(step, dict) or step.get('type') not in CONFIG_STEPS:
       raise base.DataError(f'{at}: a step is an object with "type" one of '
                            f'{CONFIG_STEPS}; got {step!r}')
@@ -448,7 +483,7 @@ class OSWorldEnv:
     checked."""
     if not self.local:
       return []
-    spec = next(t for t in load_tasks(TASK_DIR)
+    spec = next(t for t in load_tasks(TASK_DIR, 'local')
                 if t['id'] == 'xterm-make-folder')
 
     def act(sentence, **args):
@@ -493,7 +528,7 @@ def make_tokenizer(stage_texts: Sequence[str] = ()):
   del stage_texts
   texts = [prompts.SYSTEM, prompts.INSTRUCTION, prompts.JUDGE,
            prompts.JUDGE_SYSTEM, prompts.REWRITE]
-  texts += [json.dumps(t) for t in load_tasks(TASK_DIR)]
+  texts += [json.dumps(t) for t in load_tasks(TASK_DIR, 'local')]
   words = sorted({w for t in texts for w in re.findall(r'[A-Za-z_]+', t)})
   chars = tuple(word_tokenizer.ALPHABET) + ('"', '<', '>', '|', '#', '*',
                                             '&', '%')
@@ -518,6 +553,7 @@ def from_config(env_config, workdir: str) -> OSWorldEnv:
                      f'{sorted(factories)}')
   pool = desktops.Pool(factories[env_config.provider](env_config),
                        env_config.max_desktops, env_config.acquire_timeout_s)
-  return OSWorldEnv(load_tasks(env_config.task_dir or TASK_DIR), pool=pool,
+  tasks = load_tasks(env_config.task_dir or TASK_DIR, env_config.provider)
+  return OSWorldEnv(tasks, pool=pool,
                     local=env_config.provider == 'local',
                     **{k: env_config[k] for k in ENV_OPTIONS})
