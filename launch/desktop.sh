@@ -3,6 +3,7 @@
 #
 #   bash launch/desktop.sh start|stop|status [--display N] [--size WxH]
 #       [--home DIR] [--python PATH] [--run-dir DIR] [--owner-pid PID]
+#       [--uid UID]
 #
 # start: Xvfb :N (WxH, 24-bit, no TCP), a D-Bus session bus, the AT-SPI
 # accessibility bus, openbox, and rla_jax/envs/osworld/desktop_server.py (the
@@ -22,20 +23,35 @@
 # it exists but is another uid's or open to group or others), --home <run
 # dir>/home. Every process started here carries RLA_DESKTOP_RUN=<run dir>
 # in its environment, so stop finds them all (the apps too), and desktops
-# with different displays and run dirs run side by side. The apps run under bubblewrap (the host read-only but
-# for --home and the run dir). Needs: bubblewrap xvfb openbox dbus-x11 at-spi2-core
-# python3-pyatspi python3-xlib python3-pil (.ci/run installs them).
+# with different displays and run dirs run side by side. The apps run
+# under bubblewrap, a jail per command (desktop_jail.py).
+#
+# Started by root, the desktop runs as an unprivileged uid of its own
+# (--uid, default 1500000000 + N; no account needed): a user namespace
+# that root creates maps its uid 1000 to that uid, and every process of
+# the desktop joins it as uid 1000 with no capability and no_new_privs,
+# in a mount namespace root made for it (bwrap): the system read-only, a
+# private /tmp but for the X socket dir, the apps' python and the server's
+# code read-only, and two writable folders: <run dir>/desk (the buses,
+# the X cookie, the server's state; at /run/rla/desk) and the home (at
+# /run/rla/home, chowned to that uid). Root keeps the run dir itself (pid
+# files, logs, the socket, which root binds and hands to the server), so
+# nothing the desktop's uid can write is read by root, and stop ends
+# every process of that uid. Needs: bubblewrap xvfb openbox dbus-x11
+# at-spi2-core python3-pyatspi python3-xlib python3-pil, and util-linux's
+# unshare, nsenter and setpriv (.ci/run installs them).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 usage() {
   echo "usage: $0 start|stop|status [--display N] [--size WxH]" \
-       "[--home DIR] [--python PATH] [--run-dir DIR] [--owner-pid PID]" >&2
+       "[--home DIR] [--python PATH] [--run-dir DIR] [--owner-pid PID]" \
+       "[--uid UID]" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
 ACTION=$1
 shift
-DISPLAY_NUM=99 SIZE=1280x800 HOME_DIR= PYTHON= RUN_DIR= OWNER_PID= OWNER_START=
+DISPLAY_NUM=99 SIZE=1280x800 HOME_DIR= PYTHON= RUN_DIR= OWNER_PID= OWNER_START= DESK_UID=
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || usage
   case "$1" in
@@ -45,6 +61,7 @@ while [ $# -gt 0 ]; do
     --python) PYTHON=$2 ;;
     --run-dir) RUN_DIR=$2 ;;
     --owner-pid) OWNER_PID=$2 ;;
+    --uid) DESK_UID=$2 ;;
     --owner-start) OWNER_START=$2 ;;  # internal: the watcher's
     *) usage ;;
   esac
@@ -52,6 +69,7 @@ while [ $# -gt 0 ]; do
 done
 [[ $DISPLAY_NUM =~ ^[0-9]+$ ]] || { echo "desktop.sh: --display must be a number, got '$DISPLAY_NUM'" >&2; exit 2; }
 [[ ${OWNER_PID:-0} =~ ^[0-9]+$ ]] || { echo "desktop.sh: --owner-pid must be a number, got '$OWNER_PID'" >&2; exit 2; }
+[[ ${DESK_UID:-1} =~ ^[1-9][0-9]*$ ]] && (( ${DESK_UID:-1} < 4294967295 )) || { echo "desktop.sh: --uid must be a uid above 0, got '$DESK_UID'" >&2; exit 2; }
 [[ $SIZE =~ ^[0-9]+x[0-9]+$ ]] || { echo "desktop.sh: --size must be WxH (e.g. 1280x800), got '$SIZE'" >&2; exit 2; }
 RUN_DIR=$(realpath -m "${RUN_DIR:-/tmp/rla_desktop_$DISPLAY_NUM}")
 HOME_DIR=${HOME_DIR:-$RUN_DIR/home}
@@ -60,7 +78,12 @@ SOCK=$RUN_DIR/server.sock
 [ ${#RUN_DIR} -le 80 ] || { echo "desktop.sh: --run-dir $RUN_DIR is too long (over 80 characters; the accessibility bus socket lives in it)" >&2; exit 2; }
 SYSTEM_PYTHON=${RLA_DESKTOP_SYSTEM_PYTHON:-/usr/bin/python3}
 TAG="RLA_DESKTOP_RUN=$RUN_DIR"
-SERVICES=(watch server openbox atspi dbus xvfb)  # stop order
+SERVICES=(watch server openbox atspi dbus xvfb userns)  # stop order
+AS_ROOT=$([ "$(id -u)" = 0 ] && echo 1 || true)
+if [ -n "$AS_ROOT" ]; then
+  # stop and status use the uid that start recorded
+  [ -n "$DESK_UID" ] || DESK_UID=$(cat "$RUN_DIR/uid" 2>/dev/null || echo $((1500000000 + DISPLAY_NUM)))
+fi
 
 # Pids of every process whose environment carries this desktop's tag.
 tagged_pids() {
@@ -70,6 +93,23 @@ tagged_pids() {
     pid=${pid%/environ}
     [ "$pid" != $$ ] && [ "$pid" != "$BASHPID" ] || continue
     grep -qzxF "$TAG" "$f" 2>/dev/null && echo "$pid"
+  done
+  return 0
+}
+
+# Pids of every process running as the desktop's uid (root's desktops).
+uid_pids() {
+  local f key value state
+  for f in /proc/[0-9]*/status; do
+    state=
+    while read -r key value _; do
+      case $key in
+        State:) state=$value ;;
+        Uid:) [ "$value" = "$DESK_UID" ] && [ "$state" != Z ] &&
+                { f=${f#/proc/}; echo "${f%/status}"; }
+              break ;;
+      esac
+    done 2>/dev/null < "$f" || true
   done
   return 0
 }
@@ -167,12 +207,20 @@ stop_desktop() {
   end_all "${pids[@]+"${pids[@]}"}"
   mapfile -t pids < <(tagged_pids)
   end_all "${pids[@]+"${pids[@]}"}"
+  if [ -n "$AS_ROOT" ]; then  # however they detached or dropped the tag
+    mapfile -t pids < <(uid_pids)
+    end_all "${pids[@]+"${pids[@]}"}"
+  fi
   for name in "${SERVICES[@]}"; do rm -f "$RUN_DIR/$name.pid"; done
   rm -f "$SOCK"
   # Xvfb removes its lock and socket on TERM; after a KILL they stay.
-  local lock=/tmp/.X$DISPLAY_NUM-lock
+  local lock=/tmp/.X$DISPLAY_NUM-lock socket=/tmp/.X11-unix/X$DISPLAY_NUM
   if [ -f "$lock" ] && ! alive "$(tr -d ' ' < "$lock" 2>/dev/null)"; then
-    rm -f "$lock" "/tmp/.X11-unix/X$DISPLAY_NUM"
+    rm -f "$lock" "$socket"
+  fi
+  if [ -n "$AS_ROOT" ]; then  # its lock was private; the socket is the uid's
+    [ -S "$socket" ] && [ "$(stat -c %u "$socket")" = "$DESK_UID" ] && rm -f "$socket"
+    rm -rf "$RUN_DIR/desk"
   fi
 }
 
@@ -218,11 +266,84 @@ find_atspi_launcher() {
 
 x_answers() { xprop -root -display "$DISPLAY" >/dev/null 2>&1; }
 
+# A display whose lock names a live process, or whose socket takes
+# connections (a root-started desktop's lock is private; its X server may
+# refuse us for want of its cookie, but it accepts the connection).
 display_in_use() {
-  local lock=/tmp/.X$DISPLAY_NUM-lock
+  local lock=/tmp/.X$DISPLAY_NUM-lock socket=/tmp/.X11-unix/X$DISPLAY_NUM
   [ -f "$lock" ] && alive "$(tr -d ' ' < "$lock" 2>/dev/null)" && return 0
-  [ -S "/tmp/.X11-unix/X$DISPLAY_NUM" ] &&
-    xprop -root -display ":$DISPLAY_NUM" >/dev/null 2>&1
+  [ -S "$socket" ] && "$SYSTEM_PYTHON" -c "$CONNECTS_PY" "$socket" 2>/dev/null
+}
+CONNECTS_PY='import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(2)
+s.connect(sys.argv[1])'
+
+
+# The mounts of a root-started desktop: the system read-only, a private
+# /tmp with the host's X socket dir, /dev and the host's /proc (so the
+# apps' jails can mount their own proc).
+INFRA_MOUNTS=()
+for path in /usr /etc /bin /sbin /lib /lib32 /lib64 /libx32 /var; do
+  if [ -L "$path" ]; then INFRA_MOUNTS+=(--symlink "$(readlink "$path")" "$path")
+  elif [ -d "$path" ]; then INFRA_MOUNTS+=(--ro-bind "$path" "$path"); fi
+done
+INFRA_MOUNTS+=(--perms 1777 --tmpfs /tmp --bind /tmp/.X11-unix /tmp/.X11-unix
+               --dev-bind /dev /dev --bind /proc /proc
+               --perms 0755 --dir /run --perms 0755 --dir /run/rla)
+
+# OWN_PATHS: bwrap arguments that show each folder read-only at its own
+# path, its parents made traversable (0755) where the host's are not
+# (/root is 0700): the folders themselves keep their modes.
+own_path_binds() {
+  local path parent made=" /tmp /run "
+  OWN_PATHS=()
+  for path in "$@"; do
+    [ -d "$path" ] || continue
+    parent=
+    local part parts
+    IFS=/ read -r -a parts <<< "${path#/}"
+    for part in "${parts[@]:0:${#parts[@]}-1}"; do
+      parent=$parent/$part
+      [[ $made == *" $parent "* ]] && continue
+      OWN_PATHS+=(--perms 0755 --dir "$parent")
+      made+="$parent "
+    done
+    OWN_PATHS+=(--ro-bind "$path" "$path")
+  done
+}
+
+# The apps' python's folders (desktop_jail.python_roots).
+PYTHON_ROOTS_PY='import sys
+sys.path.insert(0, sys.argv[1])
+import desktop_jail
+print("\n".join(desktop_jail.python_roots(sys.argv[2])))'
+
+# Binds and listens on the unix socket argv[1] (0600), as fd 3, then runs
+# the rest of argv with it.
+LISTEN_PY='import os, socket, sys
+umask = os.umask(0o177)
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+os.umask(umask)
+s.listen(64)
+if s.fileno() != 3:
+  os.dup2(s.fileno(), 3)
+os.set_inheritable(3, True)
+os.execvp(sys.argv[2], sys.argv[2:])'
+
+# The home a root-started desktop chowns to its uid: refused where a reset
+# (which empties it) or the chown would hurt.
+check_home() {
+  local home real_home
+  home=$(realpath -m -- "$HOME_DIR")
+  real_home=$(realpath -m -- ~root)
+  [ "$(dirname "$home")" != / ] || die "refusing --home $home: a reset empties it; give a directory of its own, not one at the top of the file system"
+  for keep in "$REPO" "$real_home" "$RUN_DIR"; do
+    [ "$keep" = "$home" ] || [[ $keep == "$home"/* ]] &&
+      die "refusing --home $home: it is or contains $keep (a root-started desktop's uid would own it, and a reset empties it)"
+  done
+  HOME_DIR=$home
 }
 
 start_desktop() {
@@ -248,39 +369,86 @@ start_desktop() {
   mkdir -p -m 700 "$RUN_DIR"
   check_run_dir  # again: it may have appeared since
   rm -f "$RUN_DIR"/*.log "$SOCK"
-  mkdir -p "$RUN_DIR/runtime" "$RUN_DIR/infra_home" "$HOME_DIR"
-  chmod 700 "$RUN_DIR/runtime"
+  # STATE: the buses' runtime dir, the infrastructure's HOME, the X cookie
+  # and the server's state, as the desktop sees them (SEEN_*) and here.
+  local state=$RUN_DIR seen_state=$RUN_DIR seen_home=$HOME_DIR
+  local server_dir=$REPO/rla_jax/envs/osworld
+  if [ -n "$AS_ROOT" ]; then
+    check_home
+    [ -z "$(uid_pids)" ] || die "uid $DESK_UID already runs processes (another desktop's?); stop it or pick another --uid"
+    state=$RUN_DIR/desk seen_state=/run/rla/desk seen_home=/run/rla/home
+    rm -rf "$state"  # made afresh by root: nothing in it is the uid's yet
+    mkdir -m 700 "$state"
+    echo "$DESK_UID" > "$RUN_DIR/uid"
+  fi
+  mkdir -p "$state/runtime" "$state/infra_home" "$HOME_DIR"
+  chmod 700 "$state/runtime"
   # A cookie of its own when xauth is there (only this desktop's processes
   # may connect); else an empty file, which is enough for Xlib.
+  # (Ours in the run dir; the desktop's copy in its state dir.)
   : > "$RUN_DIR/Xauthority"
   if command -v xauth >/dev/null; then
     xauth -q -f "$RUN_DIR/Xauthority" add ":$DISPLAY_NUM" . \
       "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
   fi
-  # A root trainer's desktop runs as uid 1000 of a user namespace of its
-  # own with no capability (bwrap as root maps that uid to root): the apps'
-  # jails nest inside it as uid 1000, which is not root there (xterm will
-  # not start a shell as root of a user namespace, which may not set
-  # groups), and the buses' uid check agrees with every jail's.
+  [ "$state" = "$RUN_DIR" ] || cp "$RUN_DIR/Xauthority" "$state/Xauthority"
+  # The session bus listens in the runtime dir (not in /tmp, which root's
+  # desktops do not share), with the standard session policy.
+  cat > "$state/session.conf" <<CONF
+<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>session</type>
+  <keep_umask/>
+  <listen>unix:dir=$seen_state/runtime</listen>
+  <auth>EXTERNAL</auth>
+  <standard_session_servicedirs/>
+  <policy context="default">
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+CONF
   OUTER=()
-  if [ "$(id -u)" = 0 ]; then
-    command -v bwrap >/dev/null || die "bubblewrap is not installed (apt-get install bubblewrap)"
-    grep -v '^tty:' /etc/group > "$RUN_DIR/group"
-    cp /etc/passwd "$RUN_DIR/passwd"
-    grep -q '^[^:]*:[^:]*:1000:' "$RUN_DIR/passwd" ||
-      echo "user:x:1000:1000:user:/home/user:/bin/sh" >> "$RUN_DIR/passwd"
-    grep -q '^[^:]*:[^:]*:1000:' "$RUN_DIR/group" || echo "user:x:1000:" >> "$RUN_DIR/group"
-    OUTER=(bwrap --unshare-user --uid 1000 --gid 1000 --cap-drop ALL
-           --dev-bind / / --ro-bind "$RUN_DIR/passwd" /etc/passwd
-           --ro-bind "$RUN_DIR/group" /etc/group --)
+  if [ -n "$AS_ROOT" ]; then
+    for name in bwrap unshare nsenter; do
+      command -v $name >/dev/null || die "$name is not installed (apt-get install bubblewrap util-linux)"
+    done
+    # passwd and group: the host's, with uid and gid 1000 named 'user',
+    # without the tty group (xterm cannot hand its pty to an unmapped group)
+    grep -v '^[^:]*:[^:]*:1000:' /etc/passwd > "$RUN_DIR/passwd"
+    echo "user:x:1000:1000:user:/home/user:/bin/sh" >> "$RUN_DIR/passwd"
+    grep -v '^tty:\|^[^:]*:[^:]*:1000:' /etc/group > "$RUN_DIR/group"
+    echo "user:x:1000:" >> "$RUN_DIR/group"
+    chown -R "$DESK_UID:$DESK_UID" "$state" "$HOME_DIR"
+    mkdir -p -m 1777 /tmp/.X11-unix
+    # The user namespace, held by a process of root's: uid 1000 in it is
+    # DESK_UID here, and no other uid is mapped.
+    setsid unshare --user sleep infinity < /dev/null > /dev/null 2>&1 &
+    echo $! > "$RUN_DIR/userns.pid"
+    wait_for userns 5 eval '[ "$(readlink /proc/$(pid_of userns)/ns/user)" != "$(readlink /proc/self/ns/user)" ]' ||
+      fail "unshare --user did not make a user namespace"
+    echo "1000 $DESK_UID 1" > "/proc/$(pid_of userns)/uid_map" &&
+      echo "1000 $DESK_UID 1" > "/proc/$(pid_of userns)/gid_map" ||
+      fail "cannot map uid 1000 of the desktop's user namespace to $DESK_UID"
+    OUTER=(bwrap "${INFRA_MOUNTS[@]}"
+           --ro-bind "$RUN_DIR/passwd" /etc/passwd --ro-bind "$RUN_DIR/group" /etc/group
+           --bind "$state" "$seen_state" --bind "$HOME_DIR" "$seen_home")
+    own_path_binds "$server_dir" $("$SYSTEM_PYTHON" -c "$PYTHON_ROOTS_PY" "$server_dir" "$PYTHON")
+    OUTER+=("${OWN_PATHS[@]}"
+            --setenv XAUTHORITY "$seen_state/Xauthority" --setenv XDG_RUNTIME_DIR "$seen_state/runtime"
+            --setenv HOME "$seen_state/infra_home" --setenv RLA_DESKTOP_STATE "$seen_state"
+            -- nsenter "--user=/proc/$(pid_of userns)/ns/user" --setuid 1000 --setgid 1000
+            -- setpriv --no-new-privs --inh-caps=-all --)
   fi
-  export RLA_DESKTOP_RUN=$RUN_DIR DISPLAY=":$DISPLAY_NUM"
+  export RLA_DESKTOP_RUN=$RUN_DIR RLA_DESKTOP_STATE=$state DISPLAY=":$DISPLAY_NUM"
   export XAUTHORITY=$RUN_DIR/Xauthority XDG_SESSION_TYPE=x11
-  export XDG_RUNTIME_DIR=$RUN_DIR/runtime HOME=$RUN_DIR/infra_home
+  export XDG_RUNTIME_DIR=$state/runtime HOME=$state/infra_home
   export QT_ACCESSIBILITY=1 QT_LINUX_ACCESSIBILITY_ALWAYS_ON=1
   unset DBUS_SESSION_BUS_ADDRESS AT_SPI_BUS_ADDRESS SESSION_MANAGER NO_AT_BRIDGE
 
-  setsid "${OUTER[@]}" Xvfb "$DISPLAY" -screen 0 "${SIZE}x24" -nolisten tcp -noreset -auth "$XAUTHORITY" \
+  setsid "${OUTER[@]}" Xvfb "$DISPLAY" -screen 0 "${SIZE}x24" -nolisten tcp -noreset -auth "$seen_state/Xauthority" \
     > "$RUN_DIR/xvfb.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/xvfb.pid"
   wait_for Xvfb 10 eval 'x_answers || ! alive "$(pid_of xvfb)"'
@@ -288,7 +456,7 @@ start_desktop() {
     fail "Xvfb $DISPLAY did not start" "$RUN_DIR/xvfb.log"
 
   local bus
-  bus=$(env -u DISPLAY "${OUTER[@]}" dbus-launch --sh-syntax 2> "$RUN_DIR/dbus.log") ||
+  bus=$(env -u DISPLAY "${OUTER[@]}" dbus-launch --sh-syntax --config-file="$seen_state/session.conf" 2> "$RUN_DIR/dbus.log") ||
     fail "dbus-launch failed" "$RUN_DIR/dbus.log"
   DBUS_SESSION_BUS_ADDRESS=$(sed -n "s/^DBUS_SESSION_BUS_ADDRESS='\(.*\)';$/\1/p" <<< "$bus")
   sed -n 's/^DBUS_SESSION_BUS_PID=\([0-9]*\);$/\1/p' <<< "$bus" > "$RUN_DIR/dbus.pid"
@@ -308,8 +476,15 @@ start_desktop() {
       fail "the accessibility bus did not start" "$RUN_DIR/atspi.log"
   fi
 
-  setsid "${OUTER[@]}" "$SYSTEM_PYTHON" "$REPO/rla_jax/envs/osworld/desktop_server.py" --socket "$SOCK" \
-    --home "$HOME_DIR" --python "$PYTHON" \
+  # Root binds the socket in its run dir and hands it to the server (fd 3):
+  # the desktop's uid can neither enter that dir nor replace the socket.
+  local listen=() listen_fd=()
+  if [ -n "$AS_ROOT" ]; then
+    listen=("$SYSTEM_PYTHON" -c "$LISTEN_PY" "$SOCK")
+    listen_fd=(--listen-fd 3 --trainer-home "$HOME_DIR")
+  fi
+  setsid "${listen[@]}" "${OUTER[@]}" "$SYSTEM_PYTHON" "$server_dir/desktop_server.py" --socket "$SOCK" \
+    "${listen_fd[@]}" --home "$seen_home" --python "$PYTHON" \
     > "$RUN_DIR/server.log" 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/server.pid"
   wait_for server 20 eval 'answers || ! alive "$(pid_of server)"'

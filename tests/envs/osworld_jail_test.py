@@ -122,6 +122,125 @@ def test_a_root_trainers_jail_holds_no_capability(client):
   assert not os.path.exists('/etc/rla')
 
 
+def _uid_of(pid):
+  with open(f'/proc/{pid}/status') as f:
+    return int(next(l for l in f if l.startswith('Uid:')).split()[1])
+
+
+def _uid_processes(uid):
+  """{pid: command line} of the live processes of host uid `uid`."""
+  found = {}
+  for entry in os.listdir('/proc'):
+    if entry.isdigit():
+      try:
+        with open(f'/proc/{entry}/status') as f:
+          fields = dict(l.split(':', 1) for l in f if ':' in l)
+        if (int(fields['Uid'].split()[0]) == uid
+            and fields['State'].split()[0] != 'Z'):
+          with open(f'/proc/{entry}/cmdline', 'rb') as f:
+            found[int(entry)] = f.read().replace(b'\0', b' ').decode()
+      except (OSError, KeyError, ValueError):
+        continue
+  return found
+
+
+root_only = pytest.mark.skipif(os.geteuid() != 0,
+                               reason='what a root trainer\'s desktop does')
+
+
+@root_only
+def test_a_root_trainers_desktop_runs_as_an_unprivileged_uid(desk, client):
+  """Not root on the host, nor root's files: a uid of its own, for the
+  apps, a survivor of theirs and the desktop's own processes."""
+  with open(os.path.join(desk.run_dir, 'uid')) as f:
+    uid = int(f.read())
+  assert uid >= 1_000_000_000
+  marker = str(6_000_000 + os.getpid() % 1_000_000)
+  shell(client, f'touch ~/mine; setsid sleep {marker} > /dev/null 2>&1 &')
+  assert os.stat(os.path.join(desk.home, 'mine')).st_uid == uid
+  deadline = time.monotonic() + 10
+  while not _alive(f'sleep\0{marker}'):
+    assert time.monotonic() < deadline, 'the survivor never started'
+    time.sleep(0.1)
+  assert {_uid_of(p) for p in _alive(f'sleep\0{marker}')} == {uid}
+  desktop_processes = ' | '.join(_uid_processes(uid).values())
+  for program in ('desktop_server.py', 'Xvfb', 'dbus-daemon', 'openbox'):
+    assert program in desktop_processes
+  # Root keeps the run dir: its pid files, logs and socket.
+  st = os.stat(desk.run_dir)
+  assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700)
+  assert os.stat(desk.client.socket_path).st_uid == 0
+  client.reset()
+  assert not _alive(f'sleep\0{marker}')
+
+
+@root_only
+def test_a_root_trainers_desktop_writes_only_its_state_and_the_home(desk):
+  """The desktop's own processes (not only the apps' jails) see the host
+  read-only but for a private /tmp, the X socket dir, its state dir and
+  the home; nothing of root's (/root, the run dir) is in their view."""
+  with open(os.path.join(desk.run_dir, 'uid')) as f:
+    uid = int(f.read())
+  server = next(p for p, line in _uid_processes(uid).items()
+                if 'desktop_server.py' in line)
+  writable = set()
+  with open(f'/proc/{server}/mountinfo') as f:
+    for line in f:
+      fields = line.split()
+      if 'rw' in fields[5].split(','):
+        writable.add(fields[4])
+  writable = {w for w in writable if not w.startswith(('/dev', '/proc'))}
+  assert writable == {'/', '/tmp', '/tmp/.X11-unix', '/run/rla/desk',
+                      '/run/rla/home'}, writable
+  root = f'/proc/{server}/root'
+  for made in ('', '/run', '/run/rla'):  # bwrap's folders: root's, 0755
+    st = os.stat(root + made + '/')
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o755), made
+  assert not os.path.exists(root + desk.run_dir)
+  planted = os.path.join(os.path.expanduser('~'),
+                         f'.rla_jail_test_{uuid.uuid4().hex}')
+  with open(planted, 'w') as f:
+    f.write(SECRET)
+  try:
+    assert os.path.exists(planted)
+    assert not os.path.exists(root + planted)
+  finally:
+    os.unlink(planted)
+
+
+@root_only
+def test_a_root_trainers_desktop_leaves_no_process_of_its_uid(tmp_path):
+  made = desktop.LocalDesktop(desktop.free_display(330), size=(640, 400),
+                              home=str(tmp_path / 'home'),
+                              run_dir=str(tmp_path / 'run'))
+  made.start()
+  try:
+    with open(os.path.join(made.run_dir, 'uid')) as f:
+      uid = int(f.read())
+    made.client.launch('setsid env -i sleep 4242 & exec sleep 999',
+                       shell=True)
+    assert _uid_processes(uid)
+  finally:
+    made.stop()
+  assert _uid_processes(uid) == {}
+  assert os.listdir(made.run_dir)  # root's logs stay; the uid's state not
+  assert not os.path.exists(os.path.join(made.run_dir, 'desk'))
+
+
+@root_only
+@pytest.mark.parametrize('home', ['/srv', '{repo}', '{root}', '{repo}/..'])
+def test_a_root_trainers_desktop_refuses_a_home_it_would_hand_over(home,
+                                                                   tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  home = home.format(repo=repo, root=os.path.expanduser('~root'))
+  made = desktop.LocalDesktop(desktop.free_display(340), size=(640, 400),
+                              home=home, run_dir=str(tmp_path / 'run'))
+  with pytest.raises(desktop.DesktopError, match='refusing --home'):
+    made.start()
+  assert os.stat(repo).st_uid == 0
+
+
 def test_the_training_users_files_and_secrets_are_not_in_the_jail(desk,
                                                                   client):
   real_home = pwd.getpwuid(os.getuid()).pw_dir

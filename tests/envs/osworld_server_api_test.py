@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import time
 import xml.etree.ElementTree as ET
 
@@ -362,7 +363,16 @@ def test_controller_recording(pc, url, tmp_path):
   pc.start_recording()
   time.sleep(1.5)
   pc.end_recording(str(dest))
-  assert dest.stat().st_size > 0
+  video = dest.read_bytes()
+  assert video[4:8] == b'ftyp'  # an MP4
+  probe = subprocess.run(
+      ['ffprobe', '-v', 'error', '-show_entries',
+       'stream=codec_name,width,height:format=duration', '-of', 'json',
+       str(dest)], capture_output=True, text=True, check=True)
+  found = json.loads(probe.stdout)
+  assert found['streams'] == [{'codec_name': 'h264', 'width': SIZE[0],
+                               'height': SIZE[1]}]
+  assert float(found['format']['duration']) > 0.5
   assert requests.post(url + '/end_recording', timeout=10).status_code == 400
 
 

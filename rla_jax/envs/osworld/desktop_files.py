@@ -3,7 +3,8 @@
 Every path a request names must lie in the desktop's home: relative paths
 and `~` start there; an absolute path is taken under the home as the apps
 see it (their HOME, or OSWorld's /home/user, which task JSONs use) or under
-the home's host path; `..` is refused, and so is a symlink whose target
+the home's host path (the server's --home, or --trainer-home where a
+root-started desktop sees the home elsewhere); `..` is refused, and so is a symlink whose target
 leaves the home. Files are opened one directory at a time without following
 symlinks, so swapping a directory for a symlink mid-request cannot lead out
 either; only regular files are read or written (a FIFO or /dev/zero is
@@ -57,7 +58,9 @@ def host_path(desk, path):
   elif os.path.isabs(path):
     path = os.path.normpath(path)
     rel = next((r for r in (_under(path, root) for root in (
-        apps_home(desk), OSWORLD_HOME, desk.home)) if r is not None), None)
+        apps_home(desk), OSWORLD_HOME, desk.home,
+        getattr(desk, 'trainer_home', None) or desk.home))
+                if r is not None), None)
     if rel is None:
       raise RequestError(403, f'refusing {path}: outside the home '
                          f'({apps_home(desk)})')

@@ -10,13 +10,9 @@ untrusted code. Each command the server starts gets a jail of its own:
   so a reset that kills what it started leaves nothing behind.
 - It runs with the server's uid in a user namespace of its own, with
   every capability dropped. Under a root trainer, desktop.sh runs the
-  whole desktop as uid 1000 of an outer user namespace without
-  capabilities, so the jails nest there as that uid (not root: xterm
-  starts no shell as root of a user namespace); on the host that uid is
-  still root's, so a root trainer's apps can write what root can write,
-  wherever the jail lets them write: their home only. A dedicated
-  unprivileged account for desktops would close that too (D-Bus
-  authenticates by uid, so the buses must run under it): not done yet.
+  whole desktop as an unprivileged host uid of its own (uid 1000 of a
+  user namespace root made, with nothing else mapped), so the jails nest
+  there as that uid: not root anywhere, and no file of root's is theirs.
 - What it sees: the system's programs and libraries read-only (/usr, /bin,
   /lib*, /etc), the desktop's home writable at /home/user (OSWorld's path,
   so benchmark task JSONs work unchanged), a private /tmp and /run, the X
@@ -67,10 +63,9 @@ def socket_paths(environ) -> list[str]:
 
 def write_identity(folder: str):
   """The jail's passwd and group files, in `folder`: the host's, without
-  the `tty` group. A root trainer's jail runs as root of its user namespace,
-  where the host's tty group is not mapped, and xterm (as root) gives up
-  when it cannot hand its pty to that group; without the group it keeps
-  its own."""
+  the `tty` group, which is not mapped in the jail's user namespace: xterm
+  gives up when it cannot hand its pty to that group, and without the
+  group it keeps its own."""
   for name in ('passwd', 'group'):
     try:
       with open(f'/etc/{name}', encoding='utf-8', errors='replace') as f:

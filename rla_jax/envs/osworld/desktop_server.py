@@ -85,6 +85,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import socketserver
 import stat
 import subprocess
@@ -119,7 +120,14 @@ def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--socket', required=True, help='the unix socket to listen '
                  'on; its folder must be ours with no group or other access')
+  p.add_argument('--listen-fd', type=int, help='serve the unix socket '
+                 'already bound and listening on this fd (desktop.sh binds '
+                 '--socket for a root-started desktop, whose uid may not '
+                 'enter its folder)')
   p.add_argument('--home', required=True)
+  p.add_argument('--trainer-home', help='the home\'s path on the trainer\'s '
+                 'side, where /file and the like may name it (a root-started '
+                 'desktop sees its home at /run/rla/home)')
   p.add_argument('--python', default=sys.executable)
   p.add_argument('--no-sandbox', dest='sandbox', action='store_false',
                  help='run apps and commands with the host writable (by '
@@ -130,7 +138,8 @@ def parse_args(argv):
     p.error('apps run under bubblewrap, which is not installed (apt-get '
             'install bubblewrap), or pass --no-sandbox')
   args.socket = os.path.abspath(args.socket)
-  problem = _private_dir_problem(os.path.dirname(args.socket))
+  problem = (args.listen_fd is None
+             and _private_dir_problem(os.path.dirname(args.socket)))
   if problem:
     p.error(f'refusing --socket {args.socket}: this server runs any command '
             f'it is sent, so its folder must be ours and closed to others '
@@ -181,7 +190,7 @@ class Desktop:
     self.tag = uuid.uuid4().hex
     os.makedirs(home, exist_ok=True)
     self.bin_dir = tempfile.mkdtemp(  # in desktop.sh's run dir if any
-        prefix='rla_desktop_bin_', dir=os.environ.get('RLA_DESKTOP_RUN'))
+        prefix='rla_desktop_bin_', dir=os.environ.get('RLA_DESKTOP_STATE'))
     os.chmod(self.bin_dir, 0o755)  # read by the jails, which hold no groups
     for name in ('python', 'python3'):  # for shell commands and scripts
       path = os.path.join(self.bin_dir, name)
@@ -504,7 +513,12 @@ class UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
 
 def _listen(args):
-  """The server on --socket, made 0600."""
+  """The server on --socket, made 0600 (or on the socket of --listen-fd)."""
+  if args.listen_fd is not None:
+    server = UnixServer(args.socket, Handler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = socket.socket(fileno=args.listen_fd)
+    return server
   umask = os.umask(0o177)
   try:
     return UnixServer(args.socket, Handler)
@@ -517,6 +531,7 @@ def serve(args):
   Atspi.set_timeout(desktop_a11y.A11Y_CALL_TIMEOUT_MS,
                     2 * desktop_a11y.A11Y_CALL_TIMEOUT_MS)
   desk = Desktop(args.home, args.python, args.sandbox)
+  desk.trainer_home = args.trainer_home
   Handler.desk = desk
 
   where = args.socket
