@@ -412,9 +412,12 @@ start_desktop() {
 CONF
   OUTER=()
   if [ -n "$AS_ROOT" ]; then
-    for name in bwrap unshare nsenter; do
+    for name in bwrap unshare nsenter setpriv; do
       command -v $name >/dev/null || die "$name is not installed (apt-get install bubblewrap util-linux)"
     done
+    local why
+    why=$(bwrap "${INFRA_MOUNTS[@]}" -- true 2>&1) ||
+      die "root's bwrap cannot make the desktop's mount namespace ($why); a container without CAP_SYS_ADMIN cannot: start the trainer as an ordinary user there"
     # passwd and group: the host's, with uid and gid 1000 named 'user',
     # without the tty group (xterm cannot hand its pty to an unmapped group)
     grep -v '^[^:]*:[^:]*:1000:' /etc/passwd > "$RUN_DIR/passwd"
