@@ -157,6 +157,19 @@ def test_greedy_and_sampled_calls_share_one_program(qwen2):
     sampler.generate(model, prompts, N, temperature=-1.0)
 
 
+def test_the_cpu_program_uses_xlas_dots_not_ynnpack(qwen2):
+  """On CPU the generation program is compiled without YNNPACK fusions
+  (sampler.CPU_COMPILER_OPTIONS: slower for decode's skinny matmuls), while
+  other programs keep XLA's default."""
+  model = qwen2[0]
+  graphdef, params = sampler._split(model)  # pylint: disable=protected-access
+  text = sampler.lower(graphdef.graphdef, params, 2, 8, 4).compile().as_text()
+  assert 'dot(' in text and 'ynn_fusion' not in text
+  default = jax.jit(lambda a, b: a @ b).lower(
+      jnp.ones((16, 64)), jnp.ones((64, 256))).compile().as_text()
+  assert 'ynn_fusion' in default  # the option is what removes them
+
+
 def test_top_k_one_is_greedy_and_filters_match_sorting(qwen2):
   model = qwen2[0]
   prompts = _prompts([4, 9, 6])
