@@ -71,6 +71,13 @@ done
 [[ ${OWNER_PID:-0} =~ ^[0-9]+$ ]] || { echo "desktop.sh: --owner-pid must be a number, got '$OWNER_PID'" >&2; exit 2; }
 [[ ${DESK_UID:-1} =~ ^[1-9][0-9]*$ ]] && (( ${DESK_UID:-1} < 4294967295 )) || { echo "desktop.sh: --uid must be a uid above 0, got '$DESK_UID'" >&2; exit 2; }
 [[ $SIZE =~ ^[0-9]+x[0-9]+$ ]] || { echo "desktop.sh: --size must be WxH (e.g. 1280x800), got '$SIZE'" >&2; exit 2; }
+# A symlink in place of the run dir or the home may be another user's
+# (planted in /tmp): it would send our files, or a root desktop's chown,
+# wherever it points.
+for given in "${RUN_DIR:-/tmp/rla_desktop_$DISPLAY_NUM}" "$HOME_DIR"; do
+  [ -n "$given" ] && [ -L "${given%/}" ] &&
+    { echo "desktop.sh: refusing $given: it is a symlink (another user's, perhaps); give the folder itself" >&2; exit 2; }
+done
 RUN_DIR=$(realpath -m "${RUN_DIR:-/tmp/rla_desktop_$DISPLAY_NUM}")
 HOME_DIR=${HOME_DIR:-$RUN_DIR/home}
 SOCK=$RUN_DIR/server.sock
@@ -383,6 +390,12 @@ start_desktop() {
   fi
   mkdir -p "$state/runtime" "$state/infra_home" "$HOME_DIR"
   chmod 700 "$state/runtime"
+  if [ -n "$AS_ROOT" ]; then  # ours (or the desktop's), not another user's
+    local owner
+    owner=$(stat -c %u -- "$HOME_DIR")
+    [ "$owner" = 0 ] || [ "$owner" = "$DESK_UID" ] ||
+      die "refusing --home $HOME_DIR: it belongs to uid $owner, and a root-started desktop would hand it to uid $DESK_UID"
+  fi
   # A cookie of its own when xauth is there (only this desktop's processes
   # may connect); else an empty file, which is enough for Xlib.
   # (Ours in the run dir; the desktop's copy in its state dir.)

@@ -241,6 +241,39 @@ def test_a_root_trainers_desktop_refuses_a_home_it_would_hand_over(home,
   assert os.stat(repo).st_uid == 0
 
 
+def test_a_planted_symlink_is_refused_as_run_dir_or_home(tmp_path):
+  """Another user may plant /tmp/rla_desktop_<N> or a home as a symlink to
+  a folder of ours: we would write there (and a root desktop chown it)."""
+  target = tmp_path / 'ours'
+  target.mkdir(mode=0o700)
+  (tmp_path / 'run_link').symlink_to(target)
+  with pytest.raises(desktop.DesktopError, match='symlink'):
+    desktop.LocalDesktop(1, home=str(tmp_path / 'h'),
+                         run_dir=str(tmp_path / 'run_link'))
+  (tmp_path / 'home_link').symlink_to(target)
+  for args in (['--run-dir', str(tmp_path / 'run_link')],
+               ['--run-dir', str(tmp_path / 'run'),
+                '--home', str(tmp_path / 'home_link')]):
+    done = subprocess.run(['bash', str(desktop.SCRIPT), 'start', '--display',
+                           '351'] + args, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2 and 'symlink' in done.stderr, done.stderr
+  assert os.listdir(target) == []
+  assert not os.path.exists(tmp_path / 'run')
+
+
+@root_only
+def test_a_root_trainers_desktop_refuses_another_users_home(tmp_path):
+  home = tmp_path / 'theirs'
+  home.mkdir()
+  os.chown(home, 65534, 65534)
+  made = desktop.LocalDesktop(desktop.free_display(352), size=(640, 400),
+                              home=str(home), run_dir=str(tmp_path / 'run'))
+  with pytest.raises(desktop.DesktopError, match='belongs to uid 65534'):
+    made.start()
+  assert os.stat(home).st_uid == 65534
+
+
 def test_the_training_users_files_and_secrets_are_not_in_the_jail(desk,
                                                                   client):
   real_home = pwd.getpwuid(os.getuid()).pw_dir

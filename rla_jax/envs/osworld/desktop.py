@@ -237,8 +237,13 @@ class LocalDesktop:
     self.display = int(display)
     self.size = (int(size[0]), int(size[1]))
     self.home = os.path.abspath(home)
-    # desktop.sh resolves it too: the paths must agree.
-    self.run_dir = os.path.realpath(run_dir or f'/tmp/rla_desktop_{display}')
+    # desktop.sh resolves it too: the paths must agree. A symlink in its
+    # place may be another user's: desktop.sh refuses it, so do we.
+    run_dir = run_dir or f'/tmp/rla_desktop_{display}'
+    if os.path.islink(run_dir.rstrip('/')):
+      raise DesktopError(f'refusing run dir {run_dir}: it is a symlink '
+                         '(another user\'s, perhaps); give the folder itself')
+    self.run_dir = os.path.realpath(run_dir)
     self.socket_path = os.path.join(self.run_dir, SOCKET_NAME)
     self.python = python
     self.client = Client(self.socket_path)
