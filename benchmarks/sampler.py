@@ -15,7 +15,10 @@ one process (tunix in its own venv, as a subprocess that waits for each
 round), 5 timed rounds after a warm-up; compile time is excluded. Also prints
 where our time goes and a two-turn conversation with and without the held KV
 cache. About 3 minutes (tiny) / 6 minutes (smollm2) on a 2-core CPU. The last
-line is `ratio_vs_transformers=<float> ratio_vs_tunix=<float or nan>`.
+line is `ratio_vs_transformers=<float> bandwidth_frac=<float>
+ratio_vs_tunix=<float or nan>`: bandwidth_frac is the bytes a decode step
+must read (every weight; the cache at its mean filled length) per second of
+step, over the rate numpy copies memory at.
 """
 
 import argparse
@@ -117,6 +120,32 @@ def sessions(model, prompts, new_tokens, rounds):
         f'fresh prefill {statistics.median(fresh) * 1e3:.0f} ms ({load()})')
 
 
+def copy_bandwidth() -> float:
+  """Bytes a second that memory streams in a copy (numpy, 256 MB, best of
+  5): the read rate a decode step's weight and cache reads are held to."""
+  a = np.ones(64_000_000, np.float32)
+  b = np.empty_like(a)
+  return a.nbytes / min(timed(lambda: np.copyto(b, a))[0] for _ in range(5))
+
+
+def bandwidth_fraction(model, rows, mean_slots, step_ms) -> float:
+  """Bytes a decode step must read (every weight, and each row's cache at
+  the mean filled length) per second of step, over copy_bandwidth()."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  c = model.config
+  weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  cache = (2 * c.num_layers * c.num_kv_heads * c.head_dim * rows * mean_slots
+           * jax.numpy.dtype(c.dtype).itemsize)
+  rate = (weights + cache) / (step_ms / 1e3)
+  copy = copy_bandwidth()
+  print(f'decode bandwidth: {weights / 1e6:.0f} MB of weights and '
+        f'{cache / 1e6:.0f} MB of cache ({mean_slots:.0f} slots x {rows} rows)'
+        f' per {step_ms:.1f} ms step = {rate / 1e9:.1f} GB/s, '
+        f'{rate / copy:.1%} of a {copy / 1e9:.1f} GB/s copy ({load()})')
+  return rate / copy
+
+
 def main(workdir):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', choices=('tiny', 'smollm2'), default='tiny')
@@ -190,6 +219,8 @@ def main(workdir):
         f'(prefill, 1 step, host work) {min(one_step) * 1e3:.0f} ms; decode '
         f'step {step_ms:.2f} ms ({args.batch} rows); best full call '
         f'{min(full) * 1e3:.0f} ms ({load()})')
+  frac = bandwidth_fraction(ours_model, args.batch,
+                            len(prompts[0]) + args.new / 2, step_ms)
   # torch's threads collapse when the machine is oversubscribed (24 tok/s
   # with 2 threads against 250 with 1 at load 5): give it its best setting.
   threads = [args.torch_threads] if args.torch_threads else range(
@@ -236,6 +267,7 @@ def main(workdir):
   if not args.skip_sessions:
     sessions(ours_model, prompts, args.new, 3)
   print(f'ratio_vs_transformers={medians["ours"] / medians["transformers"]:.3f}'
+        f' bandwidth_frac={frac:.3f}'
         f' ratio_vs_tunix={medians["ours"] / medians["tunix"]:.3f}')
 
 

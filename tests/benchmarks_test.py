@@ -1,4 +1,5 @@
-"""The memory plan and the GPU check run end to end at a tiny size on CPU."""
+"""The memory plan and the GPU check run end to end at a tiny size on CPU;
+the sampler benchmark's bandwidth fraction counts what it should."""
 
 import os
 import re
@@ -45,3 +46,26 @@ def test_gpu_check_tiny_on_cpu():
   assert re.search(r'tiny train: 2 x 64 tokens, .* tok/s.*host [\d.]+ ms per '
                    r'step', out), out
   assert 'gpu_check decode_bw_fraction=nan train_mfu=nan' in out  # no peaks
+
+
+def test_sampler_bandwidth_fraction_counts_weights_and_cache(monkeypatch):
+  """benchmarks/sampler.py's bandwidth_frac: every weight and each row's
+  cache at the mean length, read once per step, over the copy rate."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from rla_jax.models import transformer  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(
+      'sampler_bench', os.path.join(ROOT, 'benchmarks', 'sampler.py'))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  config = transformer.ModelConfig('qwen2', 128, 64, 96, 2, 4, 2, 16,
+                                   tie_word_embeddings=True)
+  model = transformer.create(config)
+  # float32: the tied embedding 128x64; per layer q 64x64, k and v 64x32,
+  # o 64x64, gate, up and down 64x96, two norms; the final norm.
+  weights = 4 * (128 * 64 + 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64
+                                 + 3 * 64 * 96 + 2 * 64) + 64)
+  # k and v, 2 layers, 2 kv heads, head_dim 16, 3 rows, 10.5 slots
+  cache = 4 * 2 * 2 * 2 * 16 * 3 * 10.5
+  monkeypatch.setattr(bench, 'copy_bandwidth', lambda: 1e6)
+  frac = bench.bandwidth_fraction(model, 3, 10.5, 1000.0)
+  assert frac == pytest.approx((weights + cache) / 1e6)
