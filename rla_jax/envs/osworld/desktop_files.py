@@ -4,8 +4,8 @@ Every path a request names must lie in the desktop's home: relative paths
 and `~` start there; an absolute path is taken under the home as the apps
 see it (their HOME, or OSWorld's /home/user, which task JSONs use) or under
 the home's host path (the server's --home, or --trainer-home where a
-root-started desktop sees the home elsewhere); `..` is refused, and so is a symlink whose target
-leaves the home. Files are opened one directory at a time without following
+root-started desktop sees the home elsewhere); `..` is refused, and so is a
+symlink whose target leaves the home. Files are opened one directory at a time without following
 symlinks, so swapping a directory for a symlink mid-request cannot lead out
 either; only regular files are read or written (a FIFO or /dev/zero is
 refused at once, not read forever), and sizes are capped.
@@ -57,9 +57,8 @@ def host_path(desk, path):
     rel = path[2:]
   elif os.path.isabs(path):
     path = os.path.normpath(path)
-    rel = next((r for r in (_under(path, root) for root in (
-        apps_home(desk), OSWORLD_HOME, desk.home,
-        getattr(desk, 'trainer_home', None) or desk.home))
+    roots = (apps_home(desk), OSWORLD_HOME, desk.home, desk.trainer_home)
+    rel = next((r for r in (_under(path, root) for root in roots if root)
                 if r is not None), None)
     if rel is None:
       raise RequestError(403, f'refusing {path}: outside the home '

@@ -182,8 +182,9 @@ def _private_dir_problem(folder):
 class Desktop:
   """What the handlers share: the X connection, the apps started, the lock."""
 
-  def __init__(self, home, python, sandbox=True):
+  def __init__(self, home, python, sandbox=True, trainer_home=None):
     self.home, self.python = home, python
+    self.trainer_home = trainer_home  # the home's path outside, if another
     self.sandbox = sandbox
     self.python_roots = desktop_jail.python_roots(python)
     self.network = False  # the current task's (POST /local/reset)
@@ -530,8 +531,7 @@ def serve(args):
   """Serves until SIGTERM / SIGINT; then kills the apps it started."""
   Atspi.set_timeout(desktop_a11y.A11Y_CALL_TIMEOUT_MS,
                     2 * desktop_a11y.A11Y_CALL_TIMEOUT_MS)
-  desk = Desktop(args.home, args.python, args.sandbox)
-  desk.trainer_home = args.trainer_home
+  desk = Desktop(args.home, args.python, args.sandbox, args.trainer_home)
   Handler.desk = desk
 
   where = args.socket
