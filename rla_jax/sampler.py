@@ -2,7 +2,7 @@
 
 Prompts are left-padded to a bucketed length and the batch is padded with
 dummy rows to a bucketed size, so calls of similar size reuse one compiled
-program. All rows write the KV cache in lockstep (see kv_cache.KVCache);
+program. All rows write the KV cache in lockstep (see transformer.KVCache);
 a finished row keeps stepping, masked, until every row is done. Stop strings
 are found on the host afterwards.
 
@@ -14,6 +14,7 @@ appends them to the cache instead of prefilling the whole conversation again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -25,7 +26,6 @@ from flax import nnx
 
 from rla_jax import sampling
 from rla_jax import sharding
-from rla_jax.models import kv_cache
 from rla_jax.models import transformer
 from rla_jax.models import vision
 
@@ -35,11 +35,6 @@ LENGTH = 'length'
 INACTIVE = 'inactive'  # a session row passed as None: nothing generated
 
 _traces = 0
-# Columns per block of the transposed output projection (`transpose_head`).
-# A SmolLM2-135M head (49,152 x 576, float32) against 16 rows on a 2-core
-# CPU: 15.4 ms as one [V, D] matmul, 19.9 ms as one [D, V] matmul, 8.9 ms
-# as 32 [D, 1536] blocks (the weight rate of the layers' own matmuls).
-HEAD_COLUMNS = 1536
 
 
 def num_traces() -> int:
@@ -58,7 +53,7 @@ class Session:
   Rows past `len(conversations)` are batch padding.
   """
 
-  cache: kv_cache.KVCache
+  cache: transformer.KVCache
   conversations: list[list[int]]
   shifts: list[int] | None = None
   holds_images: bool = False
@@ -95,7 +90,6 @@ class _Plan:
   stop_token_ids: tuple[int, ...]
   cache_length: int
   transpose_head: bool
-  unstack_layers: bool
   rules: tuple  # keys the jit cache; `sharding.constrain` reads the rules
 
 
@@ -108,10 +102,21 @@ class _Loop:
   num_B: jax.Array  # tokens generated per row
   tokens_BxN: jax.Array  # 0 after a row is done
   logprobs_BxN: jax.Array  # 0 after a row is done
-  cache: kv_cache.KVCache
+  cache: transformer.KVCache
 
 
-_widen = jax.jit(kv_cache.widen, static_argnames='length')
+def _map_rows(fn, cache: transformer.KVCache) -> transformer.KVCache:
+  """fn([B, S, ...]) applied to every cache array (k and v per layer)."""
+  return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v),
+                       mask_BxS=fn(cache.mask_BxS))
+
+
+@functools.partial(jax.jit, static_argnames='length')
+def _widen(cache: transformer.KVCache, length: int) -> transformer.KVCache:
+  """The cache grown to `length` slots; the new ones are empty."""
+  pad = length - cache.mask_BxS.shape[1]
+  return _map_rows(
+      lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), cache)
 
 
 def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
@@ -132,7 +137,7 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   g, n = plan.num_samples, plan.max_new_tokens
   fresh = cache is None
   if fresh:
-    cache = kv_cache.init(model.config, b, plan.cache_length)
+    cache = transformer.init_cache(model.config, b, plan.cache_length)
   images = None
   if patches is not None:
     images = model.encode_images(patches)
@@ -148,10 +153,8 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   # The G samples of a prompt share its prefill.
   repeat = lambda x: jnp.repeat(x, g, axis=0)
   if g > 1:
-    cache = kv_cache.repeat_rows(cache, g)
-  head_DxV = (transformer.head_blocks(model, HEAD_COLUMNS)
-              if plan.transpose_head else None)
-  layers = model.layer_list() if plan.unstack_layers else None
+    cache = _map_rows(repeat, cache)
+  head_DxV = model.head_weight().T if plan.transpose_head else None
   stop_ids_1xK = jnp.asarray(plan.stop_token_ids, jnp.int32).reshape(1, -1)
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.key(seed), jnp.arange(b * g))
@@ -160,7 +163,7 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   def advance(s: _Loop) -> _Loop:
     logits_Bx1xV, cache = model.decode(
         s.last_B[:, None], s.positions_B[:, None], ~s.done_B[:, None], s.cache,
-        head_DxV=head_DxV, layers=layers)
+        head_DxV=head_DxV)
     logits_BxV = logits_Bx1xV[:, 0]
     u_B = jax.vmap(lambda k: jax.random.uniform(
         jax.random.fold_in(k, s.step), (), minval=tiny))(row_keys)
@@ -251,8 +254,8 @@ def _split(model: transformer.Transformer):
 def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
           *, params_sampling: sampling.Params = sampling.Params(),
           num_samples: int = 1, stop_token_ids: Sequence[int] = (),
-          transpose_head: bool = False, unstack_layers: bool = False,
-          mesh=None, rules: tuple = sharding.DEFAULT_RULES,
+          transpose_head: bool = False, mesh=None,
+          rules: tuple = sharding.DEFAULT_RULES,
           vision_config: vision.VisionConfig | None = None,
           image_patches: int = 0):
   """The generation program of a fresh batch, lowered but not run.
@@ -265,7 +268,7 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
   plan = _Plan(dataclasses.replace(params_sampling, temperature=1.0),
                max_new_tokens, num_samples,
                tuple(stop_token_ids), prompt_len + max_new_tokens,
-               transpose_head, unstack_layers, tuple(rules))
+               transpose_head, tuple(rules))
 
   def arg(shape, dtype, axes):
     where = None if mesh is None else sharding.named(mesh, axes, shape, rules)
@@ -328,7 +331,7 @@ class _Rows:
   chunks: list[list[int]]  # tokens each row feeds
   start: list[int]  # position of each chunk's first token
   whole: list[list[int]]  # each conversation, new prompt included
-  cache: kv_cache.KVCache | None  # None: a fresh one
+  cache: transformer.KVCache | None  # None: a fresh one
   origin: int  # cache slot of the chunks' first column
   width: int  # padded chunk length
   length: int  # cache slots
@@ -456,7 +459,6 @@ def generate(model: transformer.Transformer,
              cache_bucket: int = 128,
              max_cache_length: int = 8192,
              transpose_head: bool | None = None,
-             unstack_layers: bool | None = None,
              mesh: jax.sharding.Mesh | None = None,
              rules: tuple = sharding.DEFAULT_RULES,
              session: Session | None = None,
@@ -487,13 +489,8 @@ def generate(model: transformer.Transformer,
     cache_bucket: a session's cache grows in multiples of this many slots.
     max_cache_length: past this, a session re-prefills its conversations into
       a fresh, compact cache instead of growing.
-    transpose_head: keep a [D, V] copy of the output projection in column
-      blocks during the call (faster on CPU, costs V*D memory; see
-      HEAD_COLUMNS); None: only on CPU.
-    unstack_layers: a model with `scan_layers` slices its stacked layer
-      weights once per call, not once per decode step (faster on CPU, where
-      each slice is a copy; costs a copy of the layer weights during the
-      call); None: only on CPU.
+    transpose_head: keep a [D, V] copy of the output projection during the
+      call (faster on CPU, costs V*D memory); None: only on CPU.
     mesh, rules: shard the batch over ('data', 'fsdp') and the cache's kv heads
       over 'tensor' as the rules say.
     session: the `session` of an earlier output, to continue its rows.
@@ -552,17 +549,15 @@ def generate(model: transformer.Transformer,
              _put(positions, mesh, rules, ('batch', 'length', None)))
   live = np.zeros(rows.batch, bool)
   live[:len(prompts)] = [p is not None for p in prompts]
-  on_cpu = jax.default_backend() == 'cpu'
-  transpose_head = on_cpu if transpose_head is None else transpose_head
-  unstack_layers = on_cpu if unstack_layers is None else unstack_layers
+  if transpose_head is None:
+    transpose_head = jax.default_backend() == 'cpu'
   # The temperature is an argument of the program, not part of it: greedy
   # evaluation and sampled rollouts share compiled programs.
   plan = _Plan(sampling.Params(1.0, top_p, top_k,
                                tuple(int(t) for t in allowed_token_ids)),
                max_new_tokens, g,
                tuple(int(t) for t in stop_token_ids), rows.length,
-               bool(transpose_head),
-               bool(unstack_layers and model.config.scan_layers), tuple(rules))
+               bool(transpose_head), tuple(rules))
   graph, params = _split(model)
   with sharding.use(mesh, rules):
     tokens, logprobs, num, cache = _generate_jit()(

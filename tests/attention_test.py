@@ -85,17 +85,16 @@ def test_chunked_with_a_cache_offset():
 
 
 @pytest.mark.parametrize('index', [0, 6, 23, 49])
-@pytest.mark.parametrize('block', [16, 64])
-def test_decode_reads_the_layer_cache_in_blocks(index, block):
+def test_decode_reads_stacked_cache_in_blocks(index):
   _, k, v = _qkv(1, 50, seed=4)
   q = _qkv(1, seed=5)[0]
   mask = jnp.asarray(np.random.default_rng(6).random((B, 50)) > 0.2)
-  # The decode layout [B, K, S, Dh]; blocks of 16 (the last one starts early)
-  # or one block of all 50 slots.
-  layout = lambda a: jnp.swapaxes(a, 1, 2)
+  # Layer 1 of a 3-layer cache; blocks of 16 (the last one starts early).
+  stacked_k = jnp.stack([v, k, v])
+  stacked_v = jnp.stack([k, v, k])
   got = jax.jit(lambda i: attention.decode_attention(
-      q.reshape(B, K, H // K, DH), layout(k), layout(v), mask, i,
-      block=block))(jnp.int32(index))
+      q.reshape(B, K, H // K, DH), stacked_k, stacked_v, mask, i,
+      layer=jnp.int32(1), block=16))(jnp.int32(index))
   want = _einsum(q, k, v, mask, q_offset=index)
   np.testing.assert_allclose(got.reshape(B, 1, H, DH), want, atol=2e-6)
 

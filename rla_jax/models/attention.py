@@ -25,7 +25,7 @@ responses that share one copy of their prompt, see `attention`) run
 'chunked' ('xla' where asked for). cuDNN also needs each
 row's real tokens to form one contiguous run (left and/or right padding), which
 the caller states with `contiguous=True`. `decode_attention` is the one-query
-case: it reads one layer's KV cache ([B, K, S, Dh]) where it lies.
+case: it reads the filled part of a KV cache block by block, in place.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 IMPLEMENTATIONS = ('auto', 'xla', 'chunked', 'cudnn', 'splash')
 _SPLASH_BLOCK = 128  # splash attention's tiles are multiples of this
@@ -131,53 +130,6 @@ def rotary(x_Bx___xNxDh, angles_Bx___xF):
   x1, x2 = jnp.split(x_Bx___xNxDh.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_Bx___xNxDh.dtype)
-
-
-def rope_inv_freq(config) -> jax.Array:
-  """Inverse frequencies [Dh/2] of a model config, with llama3-style scaling
-  when configured."""
-  dh = config.head_dim
-  inv = 1.0 / (config.rope_theta ** (
-      jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-  if config.rope_scaling is None:
-    return inv
-  s = dict(config.rope_scaling)
-  if s['rope_type'] == 'linear':
-    return inv / s['factor']
-  # llama3: long wavelengths divided by `factor`, short ones kept, smooth mix.
-  factor, low, high = s['factor'], s['low_freq_factor'], s['high_freq_factor']
-  old_len = s['original_max_position_embeddings']
-  wavelen = 2 * math.pi / inv
-  smooth = (old_len / wavelen - low) / (high - low)
-  mixed = (1 - smooth) * inv / factor + smooth * inv
-  out = jnp.where(wavelen > old_len / low, inv / factor, inv)
-  is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-  return jnp.where(is_medium, mixed, out)
-
-
-def mrope_axes(config) -> np.ndarray:
-  """[Dh/2]: the position axis (0 t, 1 h, 2 w) of each rotary frequency.
-
-  Qwen3-VL interleaves them: frequency 3i+1 follows h for i < section[1],
-  3i+2 follows w for i < section[2], every other one follows t.
-  """
-  axis_F = np.zeros(config.head_dim // 2, np.int32)
-  _, h, w = config.mrope_section
-  axis_F[1:3 * h:3] = 1
-  axis_F[2:3 * w:3] = 2
-  return axis_F
-
-
-def rope_angles(config, positions):
-  """Rotary angles [B, T, Dh/2] for positions [B, T] or [B, T, 3] (t, h, w)."""
-  inv_freq = rope_inv_freq(config)
-  if positions.ndim == 2:
-    return positions[..., None].astype(jnp.float32) * inv_freq[None, None]
-  if config.mrope_section is None:
-    raise ValueError(f'positions of shape {positions.shape}: 3-axis positions '
-                     'need a model with mrope_section (Qwen3-VL)')
-  positions_BxTxF = jnp.take(positions, mrope_axes(config), axis=-1)
-  return positions_BxTxF.astype(jnp.float32) * inv_freq[None, None]
 
 
 def _visible(mask_BxS, t: int, q_offset, branch_BxS=None):
@@ -516,24 +468,30 @@ def splash(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxT, block: int = 512, *,
 # ---- one query over a KV cache -----------------------------------------------
 
 
-def decode_attention(q_BxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxS, index, *,
-                     block: int = 512):
-  """One query per row at slot `index`, over one layer's cache slots 0..index.
+def decode_attention(q_BxKxGxDh, cache_k, cache_v, mask_BxS, index, *,
+                     layer=None, block: int = 512, new_kv=None):
+  """One query per row at slot `index`, over the cache's slots 0..index.
 
-  The cache is in the decode layout [B, K, S, Dh]: the scores and the
-  weighted sum are batched (B, K) matmuls over contiguous [S, Dh] blocks, read
-  where they lie. A cache longer than `block` slots is read block by block,
-  only up to `index` (online softmax).
+  The cache ([B, S, K, Dh], or [L, B, S, K, Dh] with `layer`) is read in
+  blocks of `block` slots, in place, and only up to `index`: a multiply-and-
+  reduce per block reads it in its own layout (a dot_general with (B, K)
+  batch dimensions would transpose each block first).
+
+  `new_kv` = (k_BxKxDh, v_BxKxDh, visible_B): the query's own key and value,
+  not written to the cache yet; then the cache is read below `index` only,
+  and the caller writes them after every layer has read the cache.
   """
-  b, kv, s, dh = k_BxKxSxDh.shape
+  if layer is None:
+    cache_k, cache_v, layer = cache_k[None], cache_v[None], 0
+  _, b, s, kv, dh = cache_k.shape
   g = q_BxKxGxDh.shape[2]
   bs = min(block, s)
   q = q_BxKxGxDh.astype(jnp.float32) / math.sqrt(dh)
+  last = index if new_kv is None else index - 1  # last cache slot to read
 
   def read(cache, start):
-    if bs == s:
-      return cache.astype(jnp.float32)
-    return jax.lax.dynamic_slice_in_dim(cache, start, bs, 2).astype(jnp.float32)
+    return jax.lax.dynamic_slice(cache, (layer, 0, start, 0, 0),
+                                 (1, b, bs, kv, dh))[0].astype(jnp.float32)
 
   def key_block(j, carry):
     m_BxKxG, l_BxKxG, acc_BxKxGxDh = carry
@@ -542,24 +500,34 @@ def decode_attention(q_BxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxS, index, *,
     start = jnp.minimum(j * bs, s - bs)
     slots_S = start + jnp.arange(bs)
     visible_BxS = (jax.lax.dynamic_slice_in_dim(mask_BxS, start, bs, 1)
-                   & (slots_S <= index)[None] & (slots_S >= j * bs)[None])
-    # Slot-major scores (the cache block is the matmul's long side): XLA:CPU
-    # runs these ~1.3x faster than [B, K, G, S] ones.
-    scores_BxKxSxG = jnp.einsum('bksd,bkgd->bksg', read(k_BxKxSxDh, start), q)
-    scores_BxKxSxG = jnp.where(visible_BxS[:, None, :, None], scores_BxKxSxG,
+                   & (slots_S <= last)[None] & (slots_S >= j * bs)[None])
+    scores_BxSxKxG = jnp.sum(q[:, None] * read(cache_k, start)[:, :, :, None],
+                             axis=-1)
+    scores_BxSxKxG = jnp.where(visible_BxS[:, :, None, None], scores_BxSxKxG,
                                -jnp.inf)
-    m_new = jnp.maximum(m_BxKxG, jnp.max(scores_BxKxSxG, axis=2))
+    m_new = jnp.maximum(m_BxKxG, jnp.max(scores_BxSxKxG, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m_BxKxG - m_safe)
-    p_BxKxSxG = jnp.exp(scores_BxKxSxG - m_safe[:, :, None])
-    pv = jnp.einsum('bksg,bksd->bkgd', p_BxKxSxG, read(v_BxKxSxDh, start))
-    return (m_new, l_BxKxG * alpha + jnp.sum(p_BxKxSxG, axis=2),
+    p_BxSxKxG = jnp.exp(scores_BxSxKxG - m_safe[:, None])
+    pv = jnp.sum(p_BxSxKxG[..., None] * read(cache_v, start)[:, :, :, None],
+                 axis=1)
+    return (m_new, l_BxKxG * alpha + jnp.sum(p_BxSxKxG, axis=1),
             acc_BxKxGxDh * alpha[..., None] + pv)
 
-  init = (jnp.full((b, kv, g), -jnp.inf, jnp.float32),
-          jnp.zeros((b, kv, g), jnp.float32),
-          jnp.zeros((b, kv, g, dh), jnp.float32))
-  num_blocks = (jnp.clip(index, 0, s - 1) + bs) // bs
+  if new_kv is None:
+    init = (jnp.full((b, kv, g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kv, g), jnp.float32),
+            jnp.zeros((b, kv, g, dh), jnp.float32))
+  else:  # softmax state after the query's own key alone
+    k_BxKxDh, v_BxKxDh, visible_B = new_kv
+    score_BxKxG = jnp.sum(q * k_BxKxDh.astype(jnp.float32)[:, :, None], -1)
+    seen_Bx1x1 = visible_B[:, None, None]
+    init = (jnp.where(seen_Bx1x1, score_BxKxG, -jnp.inf),
+            jnp.where(seen_Bx1x1, 1.0, 0.0) * jnp.ones((b, kv, g)),
+            jnp.where(seen_Bx1x1[..., None],
+                      v_BxKxDh.astype(jnp.float32)[:, :, None], 0.0)
+            * jnp.ones((b, kv, g, dh)))
+  num_blocks = (jnp.clip(last, 0, s - 1) + bs) // bs
   if s <= bs:  # one block: no loop
     _, l, acc = key_block(0, init)
   else:
