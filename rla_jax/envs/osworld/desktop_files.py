@@ -5,10 +5,11 @@ and `~` start there; an absolute path is taken under the home as the apps
 see it (their HOME, or OSWorld's /home/user, which task JSONs use) or under
 the home's host path (the server's --home, or --trainer-home where a
 root-started desktop sees the home elsewhere); `..` is refused, and so is a
-symlink whose target leaves the home. Files are opened one directory at a time without following
-symlinks, so swapping a directory for a symlink mid-request cannot lead out
-either; only regular files are read or written (a FIFO or /dev/zero is
-refused at once, not read forever), and sizes are capped.
+symlink whose target leaves the home. Files are opened one directory at a
+time without following symlinks, so swapping a directory for a symlink
+mid-request cannot lead out either; only regular files are read or written
+(a FIFO or /dev/zero is refused at once, not read forever), and sizes are
+capped.
 
 Standard library only (the system python3 runs it, from desktop_server.py).
 """
