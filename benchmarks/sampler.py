@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from configs import base  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax import sampler  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax.models import gguf  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax.models import hf  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -186,6 +187,9 @@ def main(workdir):
   prompts_file = os.path.join(workdir, 'prompts.json')
   with open(prompts_file, 'w') as f:
     json.dump(prompts, f)
+  # Decode steps as configs/base.py has a run take them (CPU: unrolled
+  # layers from unroll_decode_from new tokens on).
+  buckets['unroll_decode_from'] = base.sampling_section().unroll_decode_from
   expected = args.batch * args.new
   theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
   input_ids = torch.tensor(prompts)

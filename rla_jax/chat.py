@@ -292,7 +292,8 @@ def _sample(model, tokenizer, prompts, sampling, num_samples, seed, mesh,
       allowed_token_ids=tuple(allowed), seed=seed, num_samples=num_samples,
       stop_strings=tuple(sampling.stop_strings), tokenizer=tokenizer,
       prompt_buckets=tuple(sampling.prompt_buckets),
-      batch_buckets=tuple(sampling.batch_buckets), mesh=mesh, **session,
+      batch_buckets=tuple(sampling.batch_buckets),
+      unroll_decode_from=sampling.unroll_decode_from, mesh=mesh, **session,
       **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 Prompts are left-padded to a bucketed length and the batch is padded with
 dummy rows to a bucketed size, so calls of similar size reuse one compiled
-program. All rows write the KV cache in lockstep (see transformer.KVCache);
+program. All rows write the KV cache in lockstep (see kv_cache.KVCache);
 a finished row keeps stepping, masked, until every row is done. Stop strings
 are found on the host afterwards.
 
@@ -26,6 +26,7 @@ from flax import nnx
 
 from rla_jax import sampling
 from rla_jax import sharding
+from rla_jax.models import kv_cache
 from rla_jax.models import transformer
 from rla_jax.models import vision
 
@@ -35,6 +36,11 @@ LENGTH = 'length'
 INACTIVE = 'inactive'  # a session row passed as None: nothing generated
 
 _traces = 0
+# Columns per block of the transposed output projection (`transpose_head`).
+# A SmolLM2-135M head (49,152 x 576, float32) against 16 rows on a 2-core
+# CPU: 15.4 ms as one [V, D] matmul, 19.9 ms as one [D, V] matmul, 8.9 ms
+# as 32 [D, 1536] blocks (the weight rate of the layers' own matmuls).
+HEAD_COLUMNS = 1536
 
 
 def num_traces() -> int:
@@ -53,7 +59,7 @@ class Session:
   Rows past `len(conversations)` are batch padding.
   """
 
-  cache: transformer.KVCache
+  cache: kv_cache.KVCache
   conversations: list[list[int]]
   shifts: list[int] | None = None
   holds_images: bool = False
@@ -90,6 +96,7 @@ class _Plan:
   stop_token_ids: tuple[int, ...]
   cache_length: int
   transpose_head: bool
+  unroll: bool  # decode steps over a per-layer cache, the layers unrolled
   rules: tuple  # keys the jit cache; `sharding.constrain` reads the rules
 
 
@@ -102,17 +109,17 @@ class _Loop:
   num_B: jax.Array  # tokens generated per row
   tokens_BxN: jax.Array  # 0 after a row is done
   logprobs_BxN: jax.Array  # 0 after a row is done
-  cache: transformer.KVCache
+  cache: kv_cache.KVCache
 
 
-def _map_rows(fn, cache: transformer.KVCache) -> transformer.KVCache:
+def _map_rows(fn, cache: kv_cache.KVCache) -> kv_cache.KVCache:
   """fn([B, S, ...]) applied to every cache array (k and v per layer)."""
   return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v),
                        mask_BxS=fn(cache.mask_BxS))
 
 
 @functools.partial(jax.jit, static_argnames='length')
-def _widen(cache: transformer.KVCache, length: int) -> transformer.KVCache:
+def _widen(cache: kv_cache.KVCache, length: int) -> kv_cache.KVCache:
   """The cache grown to `length` slots; the new ones are empty."""
   pad = length - cache.mask_BxS.shape[1]
   return _map_rows(
@@ -137,7 +144,7 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   g, n = plan.num_samples, plan.max_new_tokens
   fresh = cache is None
   if fresh:
-    cache = transformer.init_cache(model.config, b, plan.cache_length)
+    cache = kv_cache.init(model.config, b, plan.cache_length)
   images = None
   if patches is not None:
     images = model.encode_images(patches)
@@ -154,7 +161,11 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   repeat = lambda x: jnp.repeat(x, g, axis=0)
   if g > 1:
     cache = _map_rows(repeat, cache)
-  head_DxV = model.head_weight().T if plan.transpose_head else None
+  head_DxV = (transformer.head_blocks(model, HEAD_COLUMNS)
+              if plan.transpose_head else None)
+  layers = None
+  if plan.unroll:  # copies of the cache and of a scanned model's layers
+    cache, layers = kv_cache.per_layer(cache), model.layer_list()
   stop_ids_1xK = jnp.asarray(plan.stop_token_ids, jnp.int32).reshape(1, -1)
   row_keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.key(seed), jnp.arange(b * g))
@@ -163,7 +174,7 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   def advance(s: _Loop) -> _Loop:
     logits_Bx1xV, cache = model.decode(
         s.last_B[:, None], s.positions_B[:, None], ~s.done_B[:, None], s.cache,
-        head_DxV=head_DxV)
+        head_DxV=head_DxV, layers=layers)
     logits_BxV = logits_Bx1xV[:, 0]
     u_B = jax.vmap(lambda k: jax.random.uniform(
         jax.random.fold_in(k, s.step), (), minval=tiny))(row_keys)
@@ -194,7 +205,8 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
       cache=cache)
   state = jax.lax.while_loop(
       lambda s: (s.step < n) & ~jnp.all(s.done_B), advance, state)
-  return state.tokens_BxN, state.logprobs_BxN, state.num_B, state.cache
+  cache = kv_cache.stacked(state.cache) if plan.unroll else state.cache
+  return state.tokens_BxN, state.logprobs_BxN, state.num_B, cache
 
 
 # XLA:CPU's YNNPACK fusions (jaxlib 0.10.2's default) run the decode step's
@@ -254,7 +266,7 @@ def _split(model: transformer.Transformer):
 def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
           *, params_sampling: sampling.Params = sampling.Params(),
           num_samples: int = 1, stop_token_ids: Sequence[int] = (),
-          transpose_head: bool = False, mesh=None,
+          transpose_head: bool = False, unroll: bool = False, mesh=None,
           rules: tuple = sharding.DEFAULT_RULES,
           vision_config: vision.VisionConfig | None = None,
           image_patches: int = 0):
@@ -263,12 +275,13 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
   For memory plans and cost analyses: `params` may be ShapeDtypeStructs
   (with shardings, on a mesh); nothing is allocated. `image_patches` > 0:
   each prompt holds that many image patches (a Qwen3-VL model of
-  `vision_config`), which the tower encodes in the program.
+  `vision_config`), which the tower encodes in the program. `unroll`: the
+  decode loop of `generate`'s `unroll_decode_from`.
   """
   plan = _Plan(dataclasses.replace(params_sampling, temperature=1.0),
                max_new_tokens, num_samples,
                tuple(stop_token_ids), prompt_len + max_new_tokens,
-               transpose_head, tuple(rules))
+               transpose_head, unroll, tuple(rules))
 
   def arg(shape, dtype, axes):
     where = None if mesh is None else sharding.named(mesh, axes, shape, rules)
@@ -291,6 +304,17 @@ def lower(graphdef, params, batch: int, prompt_len: int, max_new_tokens: int,
         arg((batch,), jnp.int32, ('batch',)), arg((batch,), bool, ('batch',)),
         np.uint32(0), np.float32(params_sampling.temperature), *images,
         plan=plan)
+
+
+def unrolled_decode(config: transformer.ModelConfig, max_new_tokens: int,
+                    unroll_decode_from: int) -> bool:
+  """Whether `generate` decodes over a per-layer cache, the layers unrolled:
+  always for a model without `scan_layers` (its layers are unrolled anyway,
+  and reading slices of a stacked cache in them makes XLA copy the whole
+  cache every step); on CPU from `unroll_decode_from` new tokens on."""
+  on_cpu = jax.default_backend() == 'cpu'
+  return not config.scan_layers or (
+      on_cpu and 0 < unroll_decode_from <= max_new_tokens)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -331,7 +355,7 @@ class _Rows:
   chunks: list[list[int]]  # tokens each row feeds
   start: list[int]  # position of each chunk's first token
   whole: list[list[int]]  # each conversation, new prompt included
-  cache: transformer.KVCache | None  # None: a fresh one
+  cache: kv_cache.KVCache | None  # None: a fresh one
   origin: int  # cache slot of the chunks' first column
   width: int  # padded chunk length
   length: int  # cache slots
@@ -459,6 +483,7 @@ def generate(model: transformer.Transformer,
              cache_bucket: int = 128,
              max_cache_length: int = 8192,
              transpose_head: bool | None = None,
+             unroll_decode_from: int = 0,
              mesh: jax.sharding.Mesh | None = None,
              rules: tuple = sharding.DEFAULT_RULES,
              session: Session | None = None,
@@ -489,8 +514,16 @@ def generate(model: transformer.Transformer,
     cache_bucket: a session's cache grows in multiples of this many slots.
     max_cache_length: past this, a session re-prefills its conversations into
       a fresh, compact cache instead of growing.
-    transpose_head: keep a [D, V] copy of the output projection during the
-      call (faster on CPU, costs V*D memory); None: only on CPU.
+    transpose_head: keep a [D, V] copy of the output projection in column
+      blocks during the call (faster on CPU, costs V*D memory; see
+      HEAD_COLUMNS); None: only on CPU.
+    unroll_decode_from: on CPU, a call of at least this many new tokens by
+      a model with `scan_layers` runs its decode steps with the layers
+      unrolled over one cache array per layer (kv_cache.per_layer), the
+      layer weights sliced once per call: no copy of any weight or cache
+      slice per step. It costs a bigger program (compile time) and, during
+      the call, a copy of the cache and of the layer weights. 0: never.
+      Accelerators keep the scanned loop. See `unrolled_decode`.
     mesh, rules: shard the batch over ('data', 'fsdp') and the cache's kv heads
       over 'tensor' as the rules say.
     session: the `session` of an earlier output, to continue its rows.
@@ -549,15 +582,16 @@ def generate(model: transformer.Transformer,
              _put(positions, mesh, rules, ('batch', 'length', None)))
   live = np.zeros(rows.batch, bool)
   live[:len(prompts)] = [p is not None for p in prompts]
-  if transpose_head is None:
-    transpose_head = jax.default_backend() == 'cpu'
+  on_cpu = jax.default_backend() == 'cpu'
+  transpose_head = on_cpu if transpose_head is None else transpose_head
+  unroll = unrolled_decode(model.config, max_new_tokens, unroll_decode_from)
   # The temperature is an argument of the program, not part of it: greedy
   # evaluation and sampled rollouts share compiled programs.
   plan = _Plan(sampling.Params(1.0, top_p, top_k,
                                tuple(int(t) for t in allowed_token_ids)),
                max_new_tokens, g,
                tuple(int(t) for t in stop_token_ids), rows.length,
-               bool(transpose_head), tuple(rules))
+               bool(transpose_head), unroll, tuple(rules))
   graph, params = _split(model)
   with sharding.use(mesh, rules):
     tokens, logprobs, num, cache = _generate_jit()(

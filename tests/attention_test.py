@@ -99,6 +99,22 @@ def test_decode_reads_stacked_cache_in_blocks(index):
   np.testing.assert_allclose(got.reshape(B, 1, H, DH), want, atol=2e-6)
 
 
+@pytest.mark.parametrize('index', [0, 6, 23, 49])
+@pytest.mark.parametrize('block', [16, 64])
+def test_decode_reads_one_layers_kv_major_cache(index, block):
+  """The unrolled decode step's layout [B, K, S, Dh], in blocks of 16 (the
+  last one starts early) or as one block of all 50 slots."""
+  _, k, v = _qkv(1, 50, seed=4)
+  q = _qkv(1, seed=5)[0]
+  mask = jnp.asarray(np.random.default_rng(6).random((B, 50)) > 0.2)
+  kv_major = lambda a: jnp.swapaxes(a, 1, 2)
+  got = jax.jit(lambda i: attention.decode_attention(
+      q.reshape(B, K, H // K, DH), kv_major(k), kv_major(v), mask, i,
+      block=block, kv_major=True))(jnp.int32(index))
+  want = _einsum(q, k, v, mask, q_offset=index)
+  np.testing.assert_allclose(got.reshape(B, 1, H, DH), want, atol=2e-6)
+
+
 def test_fused_self_attention_rolls_padding_to_the_end():
   """The cuDNN wrapper's rotation, checked with XLA's kernel behind it."""
   t = 37

@@ -1,5 +1,7 @@
 """Sampler: parity with transformers, log-probs, stops, buckets, sessions."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from rla_jax import sampler
 from rla_jax import sampling
 from rla_jax import sharding
 from rla_jax.models import hf
+from rla_jax.models import kv_cache
 from rla_jax.models import transformer
 
 N = 32  # new tokens in most tests (one static shape: fewer compiles)
@@ -66,16 +69,18 @@ def qwen2(tmp_path_factory, request):
   return hf.load(str(path), **options)[0], ref, str(path), options
 
 
-@pytest.mark.parametrize('family,layout', [('llama', 'unrolled'),
-                                           ('qwen2', 'unrolled'),
-                                           ('qwen3', 'unrolled'),
-                                           ('qwen3', 'scanned')])
-def test_greedy_equals_transformers(hf_model_factory, family, layout):
+@pytest.mark.parametrize('family,layout,unroll_from', [
+    ('llama', 'unrolled', 0), ('qwen2', 'unrolled', 0),
+    ('qwen3', 'unrolled', 0), ('qwen3', 'scanned', 0),
+    ('qwen2', 'scanned', N)])
+def test_greedy_equals_transformers(hf_model_factory, family, layout,
+                                    unroll_from):
   path, ref = hf_model_factory(family, tie_word_embeddings=family != 'llama')
   model, _ = hf.load(path, **LAYOUTS[layout])
   prompts = _prompts([5, 17, 11])
   before = sampler.num_traces()
-  out = sampler.generate(model, prompts, N, temperature=0.0)
+  out = sampler.generate(model, prompts, N, temperature=0.0,
+                         unroll_decode_from=unroll_from)
   assert sampler.num_traces() == before + 1
   for prompt, tokens in zip(prompts, out.tokens):
     assert tokens == _hf_greedy(ref, prompt, N)
@@ -86,7 +91,8 @@ def test_greedy_equals_transformers(hf_model_factory, family, layout):
     np.testing.assert_allclose(got, want, atol=1e-4)
   # Same buckets (prompt <= 32 tokens, 3-4 prompts): no new program.
   again = sampler.generate(model, _prompts([30, 2, 9, 20], seed=1), N,
-                           temperature=0.0, seed=5)
+                           temperature=0.0, seed=5,
+                           unroll_decode_from=unroll_from)
   assert sampler.num_traces() == before + 1
   assert again.num_tokens == [N] * 4
 
@@ -125,16 +131,58 @@ def test_cached_decode_equals_full_forward(qwen2):
   positions = transformer.default_positions(jnp.asarray(mask))
   decode = jax.jit(lambda m, *args, head_DxV: m.decode(*args,
                                                         head_DxV=head_DxV))
-  for head_DxV in (None, model.head_weight().T):
-    cache = transformer.init_cache(model.config, 2, 16)
+  # The stacked cache, and the per-layer one of an unrolled decode loop;
+  # the head whole, transposed, or in column blocks.
+  for head_DxV, per_layer in ((None, False), (model.head_weight().T, False),
+                              (transformer.head_blocks(model, 48), True)):
+    cache = kv_cache.init(model.config, 2, 16)
     _, cache = decode(model, tokens[:, :4], positions[:, :4], mask[:, :4],
                       cache, head_DxV=None)
+    if per_layer:
+      cache = kv_cache.per_layer(cache)
     for t in range(4, 12):
       logits, cache = decode(model, tokens[:, t:t + 1], positions[:, t:t + 1],
                              mask[:, t:t + 1], cache, head_DxV=head_DxV)
       real = mask[:, t]  # a padding query attends to nothing: no reference
       np.testing.assert_allclose(np.asarray(logits[real, 0]), full[real, t],
                                  atol=1e-5)
+    assert kv_cache.is_per_layer(cache) == per_layer
+  with pytest.raises(ValueError, match='one token a step'):
+    decode(model, tokens[:, :2], positions[:, :2], mask[:, :2], cache,
+           head_DxV=None)
+
+
+def test_unrolled_decode_equals_the_scanned_loop(qwen2):
+  """A call of unroll_decode_from new tokens or more decodes over the
+  per-layer cache: the same tokens, log-probs and kept session as the
+  scanned loop, one program per bucket."""
+  model = qwen2[0]
+  if not model.config.scan_layers:
+    pytest.skip('a model without scan_layers has no scanned loop')
+  prompts = _prompts([3, 20, 9])
+  kwargs = dict(temperature=0.7, seed=1, num_samples=2, keep_session=True)
+  ref = sampler.generate(model, prompts, N, **kwargs)
+  before = sampler.num_traces()
+  out = sampler.generate(model, prompts, N, unroll_decode_from=N, **kwargs)
+  assert sampler.num_traces() == before + 1
+  assert out.tokens == ref.tokens
+  np.testing.assert_allclose(np.concatenate(out.logprobs),
+                             np.concatenate(ref.logprobs), atol=1e-5)
+  assert not kv_cache.is_per_layer(out.session.cache)
+  np.testing.assert_allclose(out.session.cache.k, ref.session.cache.k,
+                             atol=1e-5)
+  # Fewer new tokens than unroll_decode_from: the scanned program.
+  sampler.generate(model, prompts, N, unroll_decode_from=N + 1, **kwargs)
+  assert sampler.num_traces() == before + 1
+  # The kept session continues in the unrolled loop like a fresh prefill.
+  observations = [[5, 6], [7], [8, 9, 10], [11], [12], [13]]
+  second = sampler.generate(model, observations, N, temperature=0.0,
+                            session=out.session, unroll_decode_from=1)
+  whole = [p + t + o for p, t, o in zip(
+      [p for p in prompts for _ in range(2)], out.tokens, observations)]
+  fresh = sampler.generate(model, whole, N, temperature=0.0,
+                           prompt_buckets=(128,))
+  assert second.tokens == fresh.tokens
 
 
 def test_greedy_and_sampled_calls_share_one_program(qwen2):
@@ -168,6 +216,79 @@ def test_the_cpu_program_uses_xlas_dots_not_ynnpack(qwen2):
   default = jax.jit(lambda a, b: a @ b).lower(
       jnp.ones((16, 64)), jnp.ones((64, 256))).compile().as_text()
   assert 'ynn_fusion' in default  # the option is what removes them
+
+
+def _copies_in_loop(hlo_text, shape):
+  """How many copy instructions in the body of the module's while loops
+  (and the computations they call) make a float32 array of `shape`."""
+  bodies = {}
+  name = None
+  for line in hlo_text.splitlines():
+    head = re.match(r'(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if head and not line.startswith(' '):
+      name = head.group(1)
+      bodies[name] = []
+    elif name:
+      bodies[name].append(line)
+  called = lambda lines: set(re.findall(
+      r'(?:body|calls|to_apply|branch_computations)=\{?%?([\w.\-]+)',
+      '\n'.join(lines)))
+  todo = {c for lines in bodies.values() for c in re.findall(
+      r'body=%?([\w.\-]+)', '\n'.join(lines))}
+  seen = set()
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in bodies:
+      continue
+    seen.add(c)
+    todo |= called(bodies[c])
+  dims = ','.join(map(str, shape))
+  pattern = re.compile(rf'= f32\[{dims}\]\S* copy\(')
+  return sum(len(pattern.findall(line)) for c in seen for line in bodies[c])
+
+
+def _copying_decode_loop(layers, shape):
+  """A loop whose cache read is not ordered before the cache's write: XLA
+  keeps the old value with a copy of each layer's cache, every step."""
+
+  def step(state):
+    i, x_BxKxD, cache = state
+    new = []
+    for c in cache:
+      scores_BxKxS = jnp.einsum('bkd,bksd->bks', x_BxKxD, c)
+      new.append(jax.lax.dynamic_update_slice(c, x_BxKxD[:, :, None],
+                                              (0, 0, i, 0)))
+      x_BxKxD = jnp.einsum('bks,bksd->bkd', scores_BxKxS, c)
+    return i + 1, x_BxKxD, tuple(new)
+
+  loop = jax.jit(lambda x, cache: jax.lax.while_loop(
+      lambda s: s[0] < 4, step, (0, x, cache)), donate_argnums=1)
+  b, k, _, d = shape
+  return loop.lower(jnp.ones((b, k, d)), tuple(
+      jnp.ones(shape) for _ in range(layers))).compile().as_text()
+
+
+def test_decode_writes_the_cache_in_place(qwen2):
+  """No decode step of a compiled generation program copies the cache:
+  neither the stacked one of the scanned loop nor a layer's array of the
+  unrolled loop. The check finds the per-step copies of a loop that reads
+  its cache unordered with the write."""
+  model = qwen2[0]
+  c = model.config
+  graphdef, params = sampler._split(model)  # pylint: disable=protected-access
+  b, slots = 4, 16 + 8
+  stacked = (c.num_layers, b, slots, c.num_kv_heads, c.head_dim)
+  layer = (b, c.num_kv_heads, slots, c.head_dim)
+  # A model without scan_layers always decodes over the per-layer cache.
+  assert sampler.unrolled_decode(c, 8, 0) == (not c.scan_layers)
+  assert sampler.unrolled_decode(c, 8, 8) and not (
+      c.scan_layers and sampler.unrolled_decode(c, 8, 9))
+  for unroll, shape in ((False, stacked), (True, layer))[not c.scan_layers:]:
+    text = sampler.lower(graphdef.graphdef, params, b, 16, 8,
+                         unroll=unroll).compile().as_text()
+    assert 'while' in text and _copies_in_loop(text, shape) == 0
+  copying = _copying_decode_loop(c.num_layers, layer)
+  assert _copies_in_loop(copying, layer) >= c.num_layers
 
 
 def test_top_k_one_is_greedy_and_filters_match_sorting(qwen2):
@@ -288,6 +409,10 @@ def test_sharded_generation_equals_one_device(qwen2):
   # [L, B, S, K, Dh]: batch over data x fsdp, kv heads over tensor.
   k = out.session.cache.k
   assert k.addressable_shards[0].data.shape == (2, 2, k.shape[2], 1, 64 // 4)
+  # The unrolled loop's per-layer cache is sharded the same way.
+  unrolled = sampler.generate(sharded, prompts, N, mesh=mesh,
+                              unroll_decode_from=1, **kwargs)
+  assert unrolled.tokens == ref.tokens
 
 
 def test_bucket_rounding():

@@ -355,7 +355,7 @@ def sampling_config(**overrides):
                 max_prompt_len=96, stop_strings=(), allowed_tokens=tuple(
                     'abcdefgh'), prompt_buckets=(32, 64, 128),
                 batch_buckets=(1, 2, 4), max_rows=4, session='none',
-                cache_bucket=64)
+                cache_bucket=64, unroll_decode_from=0)
   values.update(overrides)
   return ml_collections.ConfigDict(values)
 

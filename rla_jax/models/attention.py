@@ -469,29 +469,50 @@ def splash(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxT, block: int = 512, *,
 
 
 def decode_attention(q_BxKxGxDh, cache_k, cache_v, mask_BxS, index, *,
-                     layer=None, block: int = 512, new_kv=None):
+                     layer=None, block: int = 512, new_kv=None,
+                     kv_major: bool = False):
   """One query per row at slot `index`, over the cache's slots 0..index.
 
-  The cache ([B, S, K, Dh], or [L, B, S, K, Dh] with `layer`) is read in
-  blocks of `block` slots, in place, and only up to `index`: a multiply-and-
-  reduce per block reads it in its own layout (a dot_general with (B, K)
-  batch dimensions would transpose each block first).
+  The cache is [B, S, K, Dh], or [L, B, S, K, Dh] with `layer` (a scanned
+  decode step's stacked cache), or with `kv_major` one layer's [B, K, S, Dh]
+  (an unrolled decode step's, kv_cache.per_layer). It is read in blocks of
+  `block` slots, in place, and only up to `index`. Slot-major blocks are read
+  with a multiply-and-reduce in their own layout (a dot_general with (B, K)
+  batch dimensions would transpose each block first); kv-major ones are
+  contiguous [S, Dh] matrices per (B, K), read by batched matmuls.
 
   `new_kv` = (k_BxKxDh, v_BxKxDh, visible_B): the query's own key and value,
   not written to the cache yet; then the cache is read below `index` only,
   and the caller writes them after every layer has read the cache.
   """
-  if layer is None:
-    cache_k, cache_v, layer = cache_k[None], cache_v[None], 0
-  _, b, s, kv, dh = cache_k.shape
+  if kv_major:
+    b, kv, s, dh = cache_k.shape
+  else:
+    if layer is None:
+      cache_k, cache_v, layer = cache_k[None], cache_v[None], 0
+    _, b, s, kv, dh = cache_k.shape
   g = q_BxKxGxDh.shape[2]
   bs = min(block, s)
   q = q_BxKxGxDh.astype(jnp.float32) / math.sqrt(dh)
   last = index if new_kv is None else index - 1  # last cache slot to read
 
   def read(cache, start):
+    if kv_major:
+      whole = bs == s
+      return (cache if whole else jax.lax.dynamic_slice_in_dim(
+          cache, start, bs, 2)).astype(jnp.float32)
     return jax.lax.dynamic_slice(cache, (layer, 0, start, 0, 0),
                                  (1, b, bs, kv, dh))[0].astype(jnp.float32)
+
+  def scores(k_block):  # [B, S, K, G]
+    if kv_major:
+      return jnp.einsum('bksd,bkgd->bskg', k_block, q)
+    return jnp.sum(q[:, None] * k_block[:, :, :, None], axis=-1)
+
+  def weighted(p_BxSxKxG, v_block):  # [B, K, G, Dh]
+    if kv_major:
+      return jnp.einsum('bskg,bksd->bkgd', p_BxSxKxG, v_block)
+    return jnp.sum(p_BxSxKxG[..., None] * v_block[:, :, :, None], axis=1)
 
   def key_block(j, carry):
     m_BxKxG, l_BxKxG, acc_BxKxGxDh = carry
@@ -501,16 +522,13 @@ def decode_attention(q_BxKxGxDh, cache_k, cache_v, mask_BxS, index, *,
     slots_S = start + jnp.arange(bs)
     visible_BxS = (jax.lax.dynamic_slice_in_dim(mask_BxS, start, bs, 1)
                    & (slots_S <= last)[None] & (slots_S >= j * bs)[None])
-    scores_BxSxKxG = jnp.sum(q[:, None] * read(cache_k, start)[:, :, :, None],
-                             axis=-1)
-    scores_BxSxKxG = jnp.where(visible_BxS[:, :, None, None], scores_BxSxKxG,
-                               -jnp.inf)
+    scores_BxSxKxG = jnp.where(visible_BxS[:, :, None, None],
+                               scores(read(cache_k, start)), -jnp.inf)
     m_new = jnp.maximum(m_BxKxG, jnp.max(scores_BxSxKxG, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m_BxKxG - m_safe)
     p_BxSxKxG = jnp.exp(scores_BxSxKxG - m_safe[:, None])
-    pv = jnp.sum(p_BxSxKxG[..., None] * read(cache_v, start)[:, :, :, None],
-                 axis=1)
+    pv = weighted(p_BxSxKxG, read(cache_v, start))
     return (m_new, l_BxKxG * alpha + jnp.sum(p_BxSxKxG, axis=1),
             acc_BxKxGxDh * alpha[..., None] + pv)
 

@@ -13,23 +13,23 @@ Every parameter carries `logical_axes` metadata; `rla_jax.sharding` maps these
 names onto the device mesh. With `scan_layers`, the L decoder layers are one
 Block whose parameters have a leading 'layers' axis, run by `jax.lax.scan`
 (program size and compile time do not grow with depth); otherwise they are a
-list of Blocks. The KV cache is stacked [L, ...] either way.
+list of Blocks. The KV cache (kv_cache.py) is stacked [L, ...] either way,
+except inside an unrolled decode loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from rla_jax import sharding
 from rla_jax.models import attention
+from rla_jax.models import kv_cache
+from rla_jax.models import rope
 from rla_jax.models import vision
 
 # What the backward pass keeps of each layer's forward (`train.remat`):
@@ -109,35 +109,6 @@ def with_run_options(config: ModelConfig, **options) -> ModelConfig:
   return dataclasses.replace(config, **options)
 
 
-@flax.struct.dataclass
-class KVCache:
-  """Keys/values of every layer and which slots hold real tokens.
-
-  Slots are filled left to right; `index` is the next free slot, shared by the
-  whole batch (prompts are left-padded, so every row writes in lockstep).
-  """
-
-  k: jax.Array  # [L, B, S, K, Dh]
-  v: jax.Array  # [L, B, S, K, Dh]
-  mask_BxS: jax.Array  # bool: slot holds a real (non-pad) token
-  index: jax.Array  # int32 scalar
-
-
-CACHE_AXES = ('layers', 'cache_batch', 'cache_length', 'cache_kv_heads',
-              'head_dim')
-
-
-def init_cache(config: ModelConfig, batch: int, length: int,
-               dtype: str | None = None) -> KVCache:
-  """An empty cache of `length` slots for `batch` rows."""
-  dtype = dtype or config.dtype
-  shape = (config.num_layers, batch, length, config.num_kv_heads,
-           config.head_dim)
-  zeros = lambda: sharding.constrain(jnp.zeros(shape, dtype), CACHE_AXES)
-  return KVCache(k=zeros(), v=zeros(), mask_BxS=jnp.zeros((batch, length), bool),
-                 index=jnp.zeros((), jnp.int32))
-
-
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init='normal',
            stack: int | None = None):
   """A Param; with `stack`, one per layer along a leading 'layers' axis."""
@@ -165,52 +136,6 @@ class RMSNorm(nnx.Module):
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
     scale = self.scale[...].astype(x.dtype)
     return scale.reshape((1,) * (x.ndim - 1) + scale.shape) * x32.astype(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-  """Inverse frequencies [Dh/2], with llama3-style scaling when configured."""
-  dh = config.head_dim
-  inv = 1.0 / (config.rope_theta ** (
-      jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-  if config.rope_scaling is None:
-    return inv
-  s = dict(config.rope_scaling)
-  if s['rope_type'] == 'linear':
-    return inv / s['factor']
-  # llama3: long wavelengths divided by `factor`, short ones kept, smooth mix.
-  factor, low, high = s['factor'], s['low_freq_factor'], s['high_freq_factor']
-  old_len = s['original_max_position_embeddings']
-  wavelen = 2 * math.pi / inv
-  smooth = (old_len / wavelen - low) / (high - low)
-  mixed = (1 - smooth) * inv / factor + smooth * inv
-  out = jnp.where(wavelen > old_len / low, inv / factor, inv)
-  is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-  return jnp.where(is_medium, mixed, out)
-
-
-def mrope_axes(config: ModelConfig) -> np.ndarray:
-  """[Dh/2]: the position axis (0 t, 1 h, 2 w) of each rotary frequency.
-
-  Qwen3-VL interleaves them: frequency 3i+1 follows h for i < section[1],
-  3i+2 follows w for i < section[2], every other one follows t.
-  """
-  axis_F = np.zeros(config.head_dim // 2, np.int32)
-  _, h, w = config.mrope_section
-  axis_F[1:3 * h:3] = 1
-  axis_F[2:3 * w:3] = 2
-  return axis_F
-
-
-def rope_angles(config: ModelConfig, positions):
-  """Rotary angles [B, T, Dh/2] for positions [B, T] or [B, T, 3] (t, h, w)."""
-  inv_freq = rope_inv_freq(config)
-  if positions.ndim == 2:
-    return positions[..., None].astype(jnp.float32) * inv_freq[None, None]
-  if config.mrope_section is None:
-    raise ValueError(f'positions of shape {positions.shape}: 3-axis positions '
-                     'need a model with mrope_section (Qwen3-VL)')
-  positions_BxTxF = jnp.take(positions, mrope_axes(config), axis=-1)
-  return positions_BxTxF.astype(jnp.float32) * inv_freq[None, None]
 
 
 class Attention(nnx.Module):
@@ -449,15 +374,26 @@ class Transformer(nnx.Module):
     return lambda q, k, v: attention.attention(
         q, k, v, mask_BxS, impl=c.attention, block=c.attention_block, **kwargs)
 
-  def _run_layers(self, layer_fn, carry, remat: str = 'none'):
+  def layer_list(self) -> list[Block]:
+    """One Block per layer; under `scan_layers`, slices of the stacked
+    parameters (copies: make them once, outside a decode loop)."""
+    if not self.config.scan_layers:
+      return list(self.layers)
+    graphdef, stacked = nnx.split(self.layers)
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
+            for i in range(self.config.num_layers)]
+
+  def _run_layers(self, layer_fn, carry, remat: str = 'none',
+                  layers: list[Block] | None = None):
     """(carry, ys): carry, y = layer_fn(block, layer index, carry) per layer.
 
     The function sees one layer's Block either way; under `scan_layers` it is
-    traced once. ys are stacked [L, ...] (None: none). Remat under a scan
-    needs no CSE barrier: the recomputation sits in the backward loop, which
-    XLA cannot merge with the forward one.
+    traced once, unless `layers` (a `layer_list`) is given: those run
+    unrolled, the layer index a Python int. ys are stacked [L, ...] (None:
+    none). Remat under a scan needs no CSE barrier: the recomputation sits in
+    the backward loop, which XLA cannot merge with the forward one.
     """
-    if self.config.scan_layers:
+    if layers is None and self.config.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
 
       def step(carry, xs):
@@ -468,7 +404,7 @@ class Transformer(nnx.Module):
       return jax.lax.scan(step, carry,
                           (stacked, jnp.arange(self.config.num_layers)))
     ys = []
-    for i, block in enumerate(self.layers):
+    for i, block in enumerate(self.layers if layers is None else layers):
       if remat == 'none':
         carry, y = layer_fn(block, i, carry)
       else:
@@ -497,7 +433,7 @@ class Transformer(nnx.Module):
       if branch_BxT is not None:
         raise ValueError('rows with branches need their positions_BxT')
       positions_BxT = default_positions(mask_BxT)
-    angles_BxTxF = rope_angles(self.config, positions_BxT)
+    angles_BxTxF = rope.rope_angles(self.config, positions_BxT)
     if branch_BxT is None:
       attend = self._attend(mask_BxT, contiguous=True)
     else:
@@ -512,9 +448,10 @@ class Transformer(nnx.Module):
                             self.config.remat)
     return self.final_norm(x)
 
-  def decode(self, tokens_BxT, positions_BxT, mask_BxT, cache: KVCache, *,
-             head_DxV=None, fresh: bool = False,
-             images: vision.ImageTokens | None = None):
+  def decode(self, tokens_BxT, positions_BxT, mask_BxT,
+             cache: kv_cache.KVCache, *, head_DxV=None, fresh: bool = False,
+             images: vision.ImageTokens | None = None,
+             layers: list[Block] | None = None):
     """Appends T tokens to the cache; returns (logits [B, T, V], cache).
 
     `positions_BxT` may be [B, T, 3] and `images` the encoded images of the
@@ -525,14 +462,47 @@ class Transformer(nnx.Module):
     `fresh`: the cache is empty (index 0), so the chunk attends within itself
     (one run of real tokens per row), which fused kernels can take.
     `head_DxV` is the output projection already transposed (once, outside a
-    decode loop): XLA:CPU runs the logits matmul ~1.4x faster in that layout.
+    decode loop), as one [D, V] array or a tuple of [D, V_i] column blocks
+    (`head_blocks`): XLA:CPU streams a decode step's [D, 1536] blocks at
+    ~2x the rate of the whole [V, D] head.
+
+    A per-layer cache (kv_cache.per_layer) takes one token a step, its
+    layers unrolled; `layers`, a `layer_list()` made once outside the decode
+    loop, saves a scanned model's per-step copies of each layer's slice of
+    the stacked parameters (the list holds one copy of them instead).
     """
     c = self.config
-    b, t = tokens_BxT.shape
+    t = tokens_BxT.shape[1]
     index = cache.index
     mask_BxS = jax.lax.dynamic_update_slice(
         cache.mask_BxS, mask_BxT.astype(bool), (0, index))
-    angles_BxTxF = rope_angles(c, positions_BxT)
+    angles_BxTxF = rope.rope_angles(c, positions_BxT)
+    x, add_deepstack = self._embed(tokens_BxT, images)
+    if kv_cache.is_per_layer(cache):
+      if t != 1:
+        raise ValueError(f'a per-layer KV cache takes one token a step, not {t}')
+      x, k, v = self._decode_in_place(x, angles_BxTxF, mask_BxS, cache,
+                                      layers or self.layer_list(),
+                                      add_deepstack)
+    else:
+      x, k, v = self._decode_stacked(x, angles_BxTxF, mask_BxT, mask_BxS,
+                                     cache, fresh, add_deepstack)
+    cache = kv_cache.KVCache(k=k, v=v, mask_BxS=mask_BxS, index=index + t)
+    hidden_BxTxD = self.final_norm(x)
+    if head_DxV is None:
+      return self.logits(hidden_BxTxD), cache
+    blocks = head_DxV if isinstance(head_DxV, (tuple, list)) else (head_DxV,)
+    logits = jnp.concatenate([
+        jnp.einsum('BTD,DV->BTV', hidden_BxTxD, w.astype(hidden_BxTxD.dtype),
+                   preferred_element_type=jnp.float32) for w in blocks], -1)
+    return sharding.constrain(logits, ('batch', 'length', 'act_vocab')), cache
+
+  def _decode_stacked(self, x, angles_BxTxF, mask_BxT, mask_BxS, cache,
+                      fresh: bool, add_deepstack):
+    """`decode` over the stacked cache: (x, k, v) after every layer."""
+    c = self.config
+    b, t = mask_BxT.shape
+    index = cache.index
     if fresh:
       attend = self._attend(mask_BxT.astype(bool), contiguous=True)
     else:
@@ -561,22 +531,48 @@ class Transformer(nnx.Module):
 
       return block(x, angles_BxTxF, attend_cached)
 
-    x, add_deepstack = self._embed(tokens_BxT, images)
     x, (k_LxBxTxKxDh, v_LxBxTxKxDh) = self._run_layers(
         self._with_deepstack(layer, add_deepstack), x)
-    write = lambda all_, new: sharding.constrain(
-        jax.lax.dynamic_update_slice(all_, new.astype(all_.dtype),
-                                     (0, 0, index, 0, 0)), CACHE_AXES)
-    cache = KVCache(k=write(cache.k, k_LxBxTxKxDh),
-                    v=write(cache.v, v_LxBxTxKxDh), mask_BxS=mask_BxS,
-                    index=index + t)
-    hidden_BxTxD = self.final_norm(x)
-    if head_DxV is None:
-      return self.logits(hidden_BxTxD), cache
-    logits = jnp.einsum('BTD,DV->BTV', hidden_BxTxD,
-                        head_DxV.astype(hidden_BxTxD.dtype),
-                        preferred_element_type=jnp.float32)
-    return sharding.constrain(logits, ('batch', 'length', 'act_vocab')), cache
+    return (x, kv_cache.write_stacked(cache.k, k_LxBxTxKxDh, index),
+            kv_cache.write_stacked(cache.v, v_LxBxTxKxDh, index))
+
+  def _decode_in_place(self, x, angles_Bx1xF, mask_BxS, cache,
+                       layers: list[Block], add_deepstack):
+    """`decode` of one token over a per-layer cache, the layers unrolled:
+    (x, k, v) after every layer."""
+    c = self.config
+    b = x.shape[0]
+    index = cache.index
+    k_cache, v_cache = list(cache.k), list(cache.v)
+
+    def layer(block, i, x):
+
+      def attend_cached(q, k, v):
+        # Written before the read, which then depends on the write: XLA
+        # updates the buffer in place. (A read that does not depend on the
+        # write makes XLA copy the layer's cache every step to keep the old
+        # value for it.)
+        k_cache[i] = kv_cache.write_layer(k_cache[i], k, index)
+        v_cache[i] = kv_cache.write_layer(v_cache[i], v, index)
+        out = attention.decode_attention(
+            q.reshape(b, c.num_kv_heads, -1, c.head_dim), k_cache[i],
+            v_cache[i], mask_BxS, index, block=c.attention_block,
+            kv_major=True)
+        return out.reshape(q.shape), None
+
+      return block(x, angles_Bx1xF, attend_cached)
+
+    x, _ = self._run_layers(self._with_deepstack(layer, add_deepstack), x,
+                            layers=layers)
+    return x, tuple(k_cache), tuple(v_cache)
+
+
+def head_blocks(model: Transformer, columns: int) -> tuple[jax.Array, ...]:
+  """The output projection transposed, in [D, <= columns] column blocks
+  (`decode`'s `head_DxV`; each block a separate array)."""
+  head_VxD = model.head_weight()
+  return tuple(head_VxD[i:i + columns].T
+               for i in range(0, head_VxD.shape[0], columns))
 
 
 def abstract_model(config: ModelConfig) -> Transformer:
