@@ -504,15 +504,20 @@ def decode_attention(q_BxKxGxDh, cache_k, cache_v, mask_BxS, index, *,
     return jax.lax.dynamic_slice(cache, (layer, 0, start, 0, 0),
                                  (1, b, bs, kv, dh))[0].astype(jnp.float32)
 
-  def scores(k_block):  # [B, S, K, G]
+  # The scores' slot axis: [B, K, S, G] kv-major (the cache block is the
+  # long side of each (B, K) matmul; XLA:CPU runs these ~1.3x faster than
+  # [B, K, G, S] ones), else [B, S, K, G], the slot-major cache's own order.
+  slot_axis = 2 if kv_major else 1
+
+  def scores(k_block):
     if kv_major:
-      return jnp.einsum('bksd,bkgd->bskg', k_block, q)
+      return jnp.einsum('bksd,bkgd->bksg', k_block, q)
     return jnp.sum(q[:, None] * k_block[:, :, :, None], axis=-1)
 
-  def weighted(p_BxSxKxG, v_block):  # [B, K, G, Dh]
+  def weighted(p_4d, v_block):  # [B, K, G, Dh]
     if kv_major:
-      return jnp.einsum('bskg,bksd->bkgd', p_BxSxKxG, v_block)
-    return jnp.sum(p_BxSxKxG[..., None] * v_block[:, :, :, None], axis=1)
+      return jnp.einsum('bksg,bksd->bkgd', p_4d, v_block)
+    return jnp.sum(p_4d[..., None] * v_block[:, :, :, None], axis=1)
 
   def key_block(j, carry):
     m_BxKxG, l_BxKxG, acc_BxKxGxDh = carry
@@ -522,14 +527,14 @@ def decode_attention(q_BxKxGxDh, cache_k, cache_v, mask_BxS, index, *,
     slots_S = start + jnp.arange(bs)
     visible_BxS = (jax.lax.dynamic_slice_in_dim(mask_BxS, start, bs, 1)
                    & (slots_S <= last)[None] & (slots_S >= j * bs)[None])
-    scores_BxSxKxG = jnp.where(visible_BxS[:, :, None, None],
-                               scores(read(cache_k, start)), -jnp.inf)
-    m_new = jnp.maximum(m_BxKxG, jnp.max(scores_BxSxKxG, axis=1))
+    visible_4d = jnp.expand_dims(visible_BxS, (1, 3) if kv_major else (2, 3))
+    scores_4d = jnp.where(visible_4d, scores(read(cache_k, start)), -jnp.inf)
+    m_new = jnp.maximum(m_BxKxG, jnp.max(scores_4d, axis=slot_axis))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m_BxKxG - m_safe)
-    p_BxSxKxG = jnp.exp(scores_BxSxKxG - m_safe[:, None])
-    pv = weighted(p_BxSxKxG, read(cache_v, start))
-    return (m_new, l_BxKxG * alpha + jnp.sum(p_BxSxKxG, axis=1),
+    p_4d = jnp.exp(scores_4d - jnp.expand_dims(m_safe, slot_axis))
+    pv = weighted(p_4d, read(cache_v, start))
+    return (m_new, l_BxKxG * alpha + jnp.sum(p_4d, axis=slot_axis),
             acc_BxKxGxDh * alpha[..., None] + pv)
 
   if new_kv is None:
