@@ -18,7 +18,9 @@ runs. Compile and warm-up are excluded from the times.
   .venv/bin/python benchmarks/train_step.py --model=smollm2  # ~10 min
 
 The last line is `ratio_vs_torch=<ours tokens/s over torch's>` (per length
-for smollm2, then `peak_rss_ratio=<ours over torch's>` at each length).
+for smollm2). Before it: `peak_rss_ratio=<ours over torch's>` and
+`matmul_frac=<our model matmul FLOP/s over a numpy float32 matmul's>` (per
+length for smollm2; both sides' fractions are printed with their times).
 """
 
 from __future__ import annotations
@@ -57,6 +59,35 @@ CLIP_EPS, KL_COEF, LR, MAX_GRAD_NORM = 0.2, 0.01, 1e-6, 1.0
 
 def peak_rss_gb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def model_flops(hf, batch: int, prompt: int, response: int) -> float:
+  """Matmul FLOPs of one step (forward and backward, 3x the forward): the
+  layers' projections and MLP on every token, causal attention, and the LM
+  head on the response positions only (both sides compute those alone)."""
+  d, f = hf['hidden_size'], hf['intermediate_size']
+  h, k = hf['num_attention_heads'], hf['num_key_value_heads']
+  dh = d // h
+  t = prompt + response
+  per_token = 2 * d * (2 * h * dh + 2 * k * dh) + 2 * 3 * d * f
+  attention = 2 * 2 * t * t * h * dh / 2
+  layers = hf['num_hidden_layers'] * (per_token * t + attention)
+  head = 2 * d * hf['vocab_size'] * response
+  return 3 * batch * (layers + head)
+
+
+def matmul_rate() -> float:
+  """FLOP/s of a float32 2048^3 numpy matmul on all cores (best of 5): the
+  matmul peak each side's step is held to."""
+  a = np.ones((2048, 2048), np.float32)
+  best = min(_timed(lambda: a @ a) for _ in range(5))
+  return 2 * 2048**3 / best
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
 
 
 def configs(args):
@@ -256,7 +287,8 @@ def write_inputs(args, spec, prompt):
 
 
 def compare(args, prompt):
-  """Both sides at one prompt length; returns (ratio, peak RSS ratio)."""
+  """Both sides at one prompt length; returns (ratio, peak RSS ratio, our
+  fraction of the matmul rate)."""
   tokens = args.batch * (prompt + args.response)
   print(f'== {args.model}: batch {args.batch} x ({prompt} + {args.response}) '
         f'tokens, remat={args.remat}, attention={args.attention}, '
@@ -281,10 +313,16 @@ def compare(args, prompt):
           flush=True)
   peaks = {s.name: s.close() for s in sides}
   medians = {n: statistics.median(t) for n, t in times.items()}
+  flops = model_flops(MODELS[args.model]['hf'], args.batch, prompt,
+                      args.response)
+  rate = matmul_rate()
   for n, seconds in medians.items():
     print(f'{n:5s} step median {seconds:.3f} s -> {tokens / seconds:,.0f} '
-          f'tokens/s, peak RSS {peaks[n]:.2f} GiB')
-  return medians['torch'] / medians['jax'], peaks['jax'] / peaks['torch']
+          f'tokens/s, {flops / seconds / 1e9:.0f} GFLOP/s of model matmuls = '
+          f'{flops / seconds / rate:.1%} of a {rate / 1e9:.0f} GFLOP/s numpy '
+          f'matmul, peak RSS {peaks[n]:.2f} GiB')
+  return (medians['torch'] / medians['jax'], peaks['jax'] / peaks['torch'],
+          flops / medians['jax'] / rate)
 
 
 def main():
@@ -329,11 +367,12 @@ def main():
       results[prompt] = compare(args, prompt)
   print(f'loadavg {os.getloadavg()}, torch threads {args.torch_threads}')
   if len(lengths) == 1:
-    ratio, peak = results[lengths[0]]
-    print(f'peak_rss_ratio={peak:.3f}')
+    ratio, peak, frac = results[lengths[0]]
+    print(f'peak_rss_ratio={peak:.3f} matmul_frac={frac:.3f}')
     print(f'ratio_vs_torch={ratio:.3f}')
     return
   print(' '.join(f'peak_rss_ratio@{n}={results[n][1]:.3f}' for n in lengths))
+  print(' '.join(f'matmul_frac@{n}={results[n][2]:.3f}' for n in lengths))
   print(' '.join(f'ratio_vs_torch@{n}={results[n][0]:.3f}' for n in lengths))
 
 
