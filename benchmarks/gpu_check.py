@@ -72,6 +72,17 @@ def param_count(config, embedding=True) -> int:
                                           if embedding else 0)
 
 
+def train_flops(config, batch: int, length: int, response: int) -> float:
+  """Model FLOPs of one train step (forward and backward, 3x the forward):
+  6 x non-embedding params x tokens, the LM head on the `response`
+  positions of each row only, and causal attention (half the pairs)."""
+  attention = (12 * config.num_layers * batch * length**2 * config.num_heads
+               * config.head_dim / 2)
+  return (6 * param_count(config, embedding=False) * batch * length
+          + 6 * config.vocab_size * config.hidden_size * batch * response
+          + attention)
+
+
 def timed(fn, repeats):
   """Best of `repeats` wall times (the least disturbed run)."""
   return min(_wall_and_host(fn) for _ in range(repeats))[0]
@@ -180,12 +191,7 @@ def train_check(name, args, peak_tflops):
   step_s = timed(step, args.repeats)
   host = host_ms(step, args.repeats)
   tokens = args.train_batch * args.train_len
-  c = config
-  attention_flops = (12 * c.num_layers * args.train_batch * args.train_len**2
-                     * c.num_heads * c.head_dim / 2)  # causal: half the pairs
-  flops = (6 * param_count(c, embedding=False) * tokens
-           + 6 * c.vocab_size * c.hidden_size * args.train_batch * response
-           + attention_flops)
+  flops = train_flops(config, args.train_batch, args.train_len, response)
   tflops = flops / step_s / 1e12
   mfu = tflops / peak_tflops if peak_tflops else math.nan
   print(f'{name} train: {args.train_batch} x {args.train_len} tokens, '

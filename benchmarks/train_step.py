@@ -34,10 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gpu_check  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODELS = {
     'tiny': dict(family='qwen2', hf=dict(
@@ -59,21 +62,6 @@ CLIP_EPS, KL_COEF, LR, MAX_GRAD_NORM = 0.2, 0.01, 1e-6, 1.0
 
 def peak_rss_gb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def model_flops(hf, batch: int, prompt: int, response: int) -> float:
-  """Matmul FLOPs of one step (forward and backward, 3x the forward): the
-  layers' projections and MLP on every token, causal attention, and the LM
-  head on the response positions only (both sides compute those alone)."""
-  d, f = hf['hidden_size'], hf['intermediate_size']
-  h, k = hf['num_attention_heads'], hf['num_key_value_heads']
-  dh = d // h
-  t = prompt + response
-  per_token = 2 * d * (2 * h * dh + 2 * k * dh) + 2 * 3 * d * f
-  attention = 2 * 2 * t * t * h * dh / 2
-  layers = hf['num_hidden_layers'] * (per_token * t + attention)
-  head = 2 * d * hf['vocab_size'] * response
-  return 3 * batch * (layers + head)
 
 
 def matmul_rate() -> float:
@@ -313,8 +301,15 @@ def compare(args, prompt):
           flush=True)
   peaks = {s.name: s.close() for s in sides}
   medians = {n: statistics.median(t) for n, t in times.items()}
-  flops = model_flops(MODELS[args.model]['hf'], args.batch, prompt,
-                      args.response)
+  hf_config = MODELS[args.model]['hf']
+  flops = gpu_check.train_flops(types.SimpleNamespace(
+      vocab_size=hf_config['vocab_size'], hidden_size=hf_config['hidden_size'],
+      intermediate_size=hf_config['intermediate_size'],
+      num_layers=hf_config['num_hidden_layers'],
+      num_heads=hf_config['num_attention_heads'],
+      num_kv_heads=hf_config['num_key_value_heads'],
+      head_dim=hf_config['hidden_size'] // hf_config['num_attention_heads']),
+      args.batch, prompt + args.response, args.response)
   rate = matmul_rate()
   for n, seconds in medians.items():
     print(f'{n:5s} step median {seconds:.3f} s -> {tokens / seconds:,.0f} '
