@@ -14,7 +14,6 @@ appends them to the cache instead of prefilling the whole conversation again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from collections.abc import Sequence
 
@@ -112,18 +111,7 @@ class _Loop:
   cache: kv_cache.KVCache
 
 
-def _map_rows(fn, cache: kv_cache.KVCache) -> kv_cache.KVCache:
-  """fn([B, S, ...]) applied to every cache array (k and v per layer)."""
-  return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v),
-                       mask_BxS=fn(cache.mask_BxS))
-
-
-@functools.partial(jax.jit, static_argnames='length')
-def _widen(cache: kv_cache.KVCache, length: int) -> kv_cache.KVCache:
-  """The cache grown to `length` slots; the new ones are empty."""
-  pad = length - cache.mask_BxS.shape[1]
-  return _map_rows(
-      lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), cache)
+_widen = jax.jit(kv_cache.widen, static_argnames='length')
 
 
 def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
@@ -160,7 +148,7 @@ def _generate(graph, params, cache, chunk_BxC, mask_BxC, start_B, live_B,
   # The G samples of a prompt share its prefill.
   repeat = lambda x: jnp.repeat(x, g, axis=0)
   if g > 1:
-    cache = _map_rows(repeat, cache)
+    cache = kv_cache.map_rows(repeat, cache)
   head_DxV = (transformer.head_blocks(model, HEAD_COLUMNS)
               if plan.transpose_head else None)
   layers = None

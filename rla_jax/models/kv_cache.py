@@ -50,6 +50,20 @@ def init(config, batch: int, length: int, dtype: str | None = None) -> KVCache:
                  index=jnp.zeros((), jnp.int32))
 
 
+def map_rows(fn, cache: KVCache) -> KVCache:
+  """fn([B, S, ...]) applied to every array of a stacked cache (k and v per
+  layer, and the slot mask)."""
+  return cache.replace(k=jax.vmap(fn)(cache.k), v=jax.vmap(fn)(cache.v),
+                       mask_BxS=fn(cache.mask_BxS))
+
+
+def widen(cache: KVCache, length: int) -> KVCache:
+  """The stacked cache grown to `length` slots; the new ones are empty."""
+  pad = length - cache.mask_BxS.shape[1]
+  return map_rows(
+      lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), cache)
+
+
 def is_per_layer(cache: KVCache) -> bool:
   return isinstance(cache.k, tuple)
 
