@@ -14,7 +14,10 @@ no early stop, prefill included in the timings. The sides run alternately in
 one process (tunix in its own venv, as a subprocess that waits for each
 round), 5 timed rounds after a warm-up; compile time is excluded. Also prints
 where our time goes and a two-turn conversation with and without the held KV
-cache. About 3 minutes (tiny) / 6 minutes (smollm2) on a 2-core CPU. The last
+cache. About 3 minutes (tiny) / 6 minutes (smollm2) on a 2-core CPU.
+`--profile`: one of our calls under the profiler (step_profile.py), split
+into the prefill and each decode stage (attention over the cache, cache
+writes, projections, MLP, norms, LM head, sampling) and host time. The last
 line is `ratio_vs_transformers=<float> bandwidth_frac=<float>
 ratio_vs_tunix=<float or nan>`: bandwidth_frac is the bytes a decode step
 must read (every weight; the cache at its mean filled length) per second of
@@ -22,6 +25,7 @@ step, over the rate numpy copies memory at.
 """
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -35,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import step_profile  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import base  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax import sampler  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 from rla_jax.models import gguf  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -121,6 +126,45 @@ def sessions(model, prompts, new_tokens, rounds):
         f'fresh prefill {statistics.median(fresh) * 1e3:.0f} ms ({load()})')
 
 
+# A decode step's stages, by the innermost frame of an op's Python stack.
+DECODE_STAGES = step_profile.by_frames((
+    ('attention over the cache', ('/rla_jax/models/attention.py:',)),
+    ('cache writes', ('/rla_jax/models/kv_cache.py:',)),
+    ('q/k/v/o projections', ('Attention.__call__',)),
+    ('MLP', ('MLP.__call__', 'gated_mlp')),
+    ('norms', ('RMSNorm.',)),
+    ('LM head', ('Transformer.decode',)),
+    ('sampling', ('/rla_jax/sampling.py:',)),
+), 'other')
+
+
+def _stage(stack):
+  if not any('_generate.<locals>.advance' in frame for frame in stack):
+    return 'prefill and set-up'
+  return 'decode: ' + DECODE_STAGES(stack)
+
+
+def profile(model, prompts, new, buckets, generate):
+  """Prints where one generate() call's time goes: the prefill, and each
+  decode stage (its share of the call, and per step of the `new`)."""
+  graph, params = sampler._split(model)  # pylint: disable=protected-access
+  default = inspect.signature(sampler.generate).parameters['prompt_buckets']
+  width = sampler._bucket(  # pylint: disable=protected-access
+      len(prompts[0]), buckets.get('prompt_buckets', default.default))
+  hlo_text = sampler.lower(
+      graph.graphdef, params, len(prompts), width, new, transpose_head=True,
+      unroll=sampler.unrolled_decode(model.config, new,
+                                     buckets['unroll_decode_from']),
+  ).compile().as_text()
+  stages, wall, longest = step_profile.run(generate, hlo_text, _stage)
+  named = {f'{k}, {v / new * 1e3:.2f} ms a step' if k.startswith('decode')
+           else k: v for k, v in stages.items()}
+  decode_ms = sum(v for k, v in stages.items() if k.startswith('decode'))
+  print(f'profile of one call ({wall * 1e3:.0f} ms; {new} decode steps of '
+        f'{decode_ms / new * 1e3:.2f} ms):\n'
+        + step_profile.table(named, wall, longest))
+
+
 def copy_bandwidth() -> float:
   """Bytes a second that memory streams in a copy (numpy, 256 MB, best of
   5): the read rate a decode step's weight and cache reads are held to."""
@@ -159,6 +203,8 @@ def main(workdir):
   parser.add_argument('--torch-threads', type=int, default=0,
                       help='0: whichever of 1..cpu_count is fastest here')
   parser.add_argument('--skip-sessions', action='store_true')
+  parser.add_argument('--profile', action='store_true',
+                      help='print where one of our calls spends its time')
   args = parser.parse_args()
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -225,6 +271,8 @@ def main(workdir):
         f'{min(full) * 1e3:.0f} ms ({load()})')
   frac = bandwidth_fraction(ours_model, args.batch,
                             len(prompts[0]) + args.new / 2, step_ms)
+  if args.profile:
+    profile(ours_model, prompts, args.new, buckets, lambda: ours(0))
   # torch's threads collapse when the machine is oversubscribed (24 tok/s
   # with 2 threads against 250 with 1 at load 5): give it its best setting.
   threads = [args.torch_threads] if args.torch_threads else range(

@@ -21,6 +21,12 @@ The last line is `ratio_vs_torch=<ours tokens/s over torch's>` (per length
 for smollm2). Before it: `peak_rss_ratio=<ours over torch's>` and
 `matmul_frac=<our model matmul FLOP/s over a numpy float32 matmul's>` (per
 length for smollm2; both sides' fractions are printed with their times).
+
+`--profile`: after the timed rounds, our side runs one more step under the
+profiler and prints where its time goes (step_profile.py): LM head and loss,
+attention (core and projections), MLP, norms, embedding, optimizer and
+clipping, the layer scan's slices and stacking, residual adds, other ops,
+and host and runtime gaps; then the instructions that took longest.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_check  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import step_profile  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODELS = {
     'tiny': dict(family='qwen2', hf=dict(
@@ -58,6 +65,20 @@ MODELS = {
                     batch=1, lengths=(1024, 2048), response=16),
 }
 CLIP_EPS, KL_COEF, LR, MAX_GRAD_NORM = 0.2, 0.01, 1e-6, 1.0
+# Stages of our step, by the innermost frame of an op's Python stack.
+STAGES = step_profile.by_frames((
+    ('LM head and loss', ('/rla_jax/losses.py:',)),
+    ('attention core', ('/rla_jax/models/attention.py:',)),
+    ('attention projections', ('Attention.__call__',)),
+    ('MLP', ('MLP.__call__', 'gated_mlp')),
+    ('norms', ('RMSNorm.',)),
+    ('embedding', ('Transformer._embed',)),
+    ('optimizer and clipping', ('/optax/',)),
+    ('layer scan: weight slices, gradient stacking',
+     ('Transformer._run_layers',)),
+    ('residual adds', ('Block.__call__',)),
+    ('loop state copies', ('<no source: copy>',)),
+), 'other')
 
 
 def peak_rss_gb() -> float:
@@ -164,6 +185,7 @@ def jax_side(args):
     state, step_metrics = trainer.step(state, batch)
     jax.block_until_ready(step_metrics)
 
+  step.hlo_text = compiled.as_text()
   return step, info
 
 
@@ -213,7 +235,10 @@ def serve(args):
       step()
       times.append(time.perf_counter() - start)
     print(json.dumps(dict(times=times)), flush=True)
-  print(json.dumps(dict(peak_rss_gb=peak_rss_gb())), flush=True)
+  done = dict(peak_rss_gb=peak_rss_gb())
+  if args.profile and args.side == 'jax':
+    done['profile'] = step_profile.run(step, step.hlo_text, STAGES)
+  print(json.dumps(done), flush=True)
 
 
 class Side:
@@ -248,9 +273,13 @@ class Side:
   def close(self):
     self.proc.stdin.write('quit\n')
     self.proc.stdin.flush()
-    peak = self.read()['peak_rss_gb']
+    done = self.read()
     self.proc.wait()
-    return peak
+    if 'profile' in done:
+      stages, wall, longest = done['profile']
+      print(f'{self.name} step profile ({wall:.3f} s, one step):\n'
+            + step_profile.table(stages, wall, longest))
+    return done['peak_rss_gb']
 
 
 def write_inputs(args, spec, prompt):
@@ -340,6 +369,8 @@ def main():
   parser.add_argument('--torch_full_logits', action='store_true',
                       help='torch computes logits at every position, as the '
                       "authors' trainer does")
+  parser.add_argument('--profile', action='store_true',
+                      help='print where our step spends its time')
   parser.add_argument('--side', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--prompt', type=int, default=None,
                       help=argparse.SUPPRESS)
