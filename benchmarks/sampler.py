@@ -132,7 +132,7 @@ DECODE_STAGES = step_profile.by_frames((
     ('cache writes', ('/rla_jax/models/kv_cache.py:',)),
     ('q/k/v/o projections', ('Attention.__call__',)),
     ('MLP', ('MLP.__call__', 'gated_mlp')),
-    ('norms', ('RMSNorm.',)),
+    ('norms', ('RMSNorm.', 'rms_norm')),
     ('LM head', ('Transformer.decode',)),
     ('sampling', ('/rla_jax/sampling.py:',)),
 ), 'other')

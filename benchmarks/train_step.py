@@ -71,7 +71,7 @@ STAGES = step_profile.by_frames((
     ('attention core', ('/rla_jax/models/attention.py:',)),
     ('attention projections', ('Attention.__call__',)),
     ('MLP', ('MLP.__call__', 'gated_mlp')),
-    ('norms', ('RMSNorm.',)),
+    ('norms', ('RMSNorm.', 'rms_norm')),
     ('embedding', ('Transformer._embed',)),
     ('optimizer and clipping', ('/optax/',)),
     ('layer scan: weight slices, gradient stacking',

@@ -21,6 +21,7 @@ from rla_jax import sharding
 from rla_jax import structs
 from rla_jax import train
 from rla_jax import train_epoch
+from rla_jax.models import manual_vjp
 from rla_jax.models import transformer
 
 CONFIG = transformer.ModelConfig('qwen2', 256, 64, 128, 2, 4, 2, 16,
@@ -347,11 +348,35 @@ def test_gated_mlp_backward_matches_autodiff():
   def plain(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
-  ours = jax.vjp(transformer.gated_mlp, *args)
+  ours = jax.vjp(manual_vjp.gated_mlp, *args)
   theirs = jax.vjp(plain, *args)
   np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-6)
   for a, b in zip(ours[1](cotangent), theirs[1](cotangent)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_rms_norm_backward_matches_autodiff(dtype):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 5, 3, 16)), dtype)
+  scale = jnp.asarray(1 + 0.1 * rng.normal(size=16), dtype)
+  cotangent = jnp.asarray(rng.normal(size=x.shape), dtype)
+
+  def plain(x, scale):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+    return scale[None, None, None] * x32.astype(x.dtype)
+
+  ours = jax.vjp(lambda x, s: manual_vjp.rms_norm(x, s, 1e-6), x, scale)
+  theirs = jax.vjp(plain, x, scale)
+  assert ours[0].dtype == theirs[0].dtype == x.dtype
+  np.testing.assert_array_equal(ours[0], theirs[0])
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == 'float32' else dict(
+      rtol=2e-2, atol=5e-2)  # bfloat16: autodiff rounds its sums there
+  for a, b in zip(ours[1](cotangent), theirs[1](cotangent)):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32),
+                               np.asarray(b, np.float32), **tol)
 
 
 def test_step_gradient_matches_plain_autodiff(trainer, reference, params):

@@ -29,6 +29,7 @@ from flax import nnx
 from rla_jax import sharding
 from rla_jax.models import attention
 from rla_jax.models import kv_cache
+from rla_jax.models import manual_vjp
 from rla_jax.models import rope
 from rla_jax.models import vision
 
@@ -132,10 +133,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
-    scale = self.scale[...].astype(x.dtype)
-    return scale.reshape((1,) * (x.ndim - 1) + scale.shape) * x32.astype(x.dtype)
+    return manual_vjp.rms_norm(x, self.scale[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -183,51 +181,6 @@ class Attention(nnx.Module):
     return out, aux
 
 
-def _mlp_hidden(gate_BxTxF, up_BxTxF):
-  return sharding.constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF,
-                            ('batch', 'length', 'act_mlp'))
-
-
-@jax.custom_vjp
-def gated_mlp(x_BxTxD, w_gate_DxF, w_up_DxF, w_down_FxD):
-  """down(silu(x @ w_gate) * (x @ w_up)), with a hand-written backward pass.
-
-  The backward pass computes what autodiff does, with each weight gradient
-  written as a 2-D [K, N] @ [N, M] matmul. XLA:CPU compiles autodiff's
-  version with transposed copies of the [B, T, F] gradients that recompute
-  the SiLU derivative and cost more than the matmuls themselves.
-  """
-  return _gated_mlp_fwd(x_BxTxD, w_gate_DxF, w_up_DxF, w_down_FxD)[0]
-
-
-def _gated_mlp_fwd(x_BxTxD, w_gate_DxF, w_up_DxF, w_down_FxD):
-  gate_BxTxF = x_BxTxD @ w_gate_DxF
-  up_BxTxF = x_BxTxD @ w_up_DxF
-  h_BxTxF = _mlp_hidden(gate_BxTxF, up_BxTxF)
-  residuals = (x_BxTxD, w_gate_DxF, w_up_DxF, w_down_FxD, gate_BxTxF,
-               up_BxTxF, h_BxTxF)
-  return h_BxTxF @ w_down_FxD, residuals
-
-
-def _gated_mlp_bwd(residuals, dout_BxTxD):
-  x_BxTxD, w_gate_DxF, w_up_DxF, w_down_FxD, gate, up, h_BxTxF = residuals
-  b, t, d = x_BxTxD.shape
-  f = w_gate_DxF.shape[1]
-  dh_BxTxF = dout_BxTxD @ w_down_FxD.T
-  sig = jax.nn.sigmoid(gate)
-  d_up = dh_BxTxF * gate * sig
-  d_gate = dh_BxTxF * up * sig * (1 + gate * (1 - sig))
-  dx_BxTxD = d_gate @ w_gate_DxF.T + d_up @ w_up_DxF.T
-  x_NxD = x_BxTxD.reshape(b * t, d)
-  dw_gate = x_NxD.T @ d_gate.reshape(b * t, f)
-  dw_up = x_NxD.T @ d_up.reshape(b * t, f)
-  dw_down = (dout_BxTxD.reshape(b * t, d).T @ h_BxTxF.reshape(b * t, f)).T
-  return dx_BxTxD, dw_gate, dw_up, dw_down
-
-
-gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
-
-
 class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs,
@@ -239,8 +192,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD):
     dt = x_BxTxD.dtype
-    return gated_mlp(x_BxTxD, self.w_gate[...].astype(dt),
-                     self.w_up[...].astype(dt), self.w_down[...].astype(dt))
+    return manual_vjp.gated_mlp(
+        x_BxTxD, self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
+        self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
