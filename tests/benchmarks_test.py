@@ -1,5 +1,6 @@
 """The memory plan and the GPU check run end to end at a tiny size on CPU;
-the sampler benchmark's bandwidth fraction counts what it should."""
+the sampler benchmark's bandwidth fraction counts what it should; both
+benchmarks' --profile name the stages."""
 
 import os
 import re
@@ -69,3 +70,36 @@ def test_sampler_bandwidth_fraction_counts_weights_and_cache(monkeypatch):
   monkeypatch.setattr(bench, 'copy_bandwidth', lambda: 1e6)
   frac = bench.bandwidth_fraction(model, 3, 10.5, 1000.0)
   assert frac == pytest.approx((weights + cache) / 1e6)
+
+
+def _stage_ms(out, stage):
+  m = re.search(rf'^  {re.escape(stage)} +([\d.]+) ms', out, re.M)
+  assert m, (stage, out)
+  return float(m.group(1))
+
+
+@pytest.mark.slow
+def test_train_step_profile_names_the_stages():
+  out = _run('train_step.py', '--rounds=1', '--steps_per_round=1',
+             '--profile')
+  for stage in ('LM head and loss', 'MLP', 'attention core',
+                'attention projections', 'optimizer and clipping'):
+    assert _stage_ms(out, stage) > 0, stage
+  assert 'longest instructions:' in out
+  assert re.search(r'^ratio_vs_torch=[\d.]+$', out, re.M), out
+
+
+@pytest.mark.slow
+def test_sampler_profile_splits_prefill_and_decode_stages():
+  out = _run('sampler.py', '--rounds=1', '--batch=2', '--new=8',
+             '--skip-sessions', '--profile')
+  assert _stage_ms(out, 'prefill and set-up') > 0
+  for stage in ('attention over the cache', 'MLP', 'LM head',
+                'q/k/v/o projections'):
+    m = re.search(rf'^  decode: {re.escape(stage)}, ([\d.]+) ms a step +'
+                  r'([\d.]+) ms', out, re.M)
+    assert m and float(m.group(2)) > 0, (stage, out)
+    assert float(m.group(1)) == pytest.approx(float(m.group(2)) / 8,
+                                              abs=0.01), m.group(0)
+  assert re.search(r'ratio_vs_transformers=[\d.]+ bandwidth_frac=[\d.]+',
+                   out), out

@@ -1,9 +1,8 @@
 """benchmarks/step_profile.py: the time split, the stacks read from a
-compiled module, a profiled run's stages, and both benchmarks' --profile."""
+compiled module, a profiled run's stages (both benchmarks' --profile run in
+benchmarks_test.py)."""
 
 import os
-import re
-import subprocess
 import sys
 
 import jax
@@ -79,47 +78,3 @@ def test_run_refuses_a_module_that_is_not_the_program_that_ran():
   with pytest.raises(RuntimeError, match='not the program that ran'):
     step_profile.run(lambda: jax.block_until_ready(fn(x)), other.as_text(),
                      lambda stack: 'all')
-
-
-def _bench(script, *flags):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['JAX_PLATFORMS'] = 'cpu'
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'benchmarks', script), *flags],
-      capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-      check=False)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  return proc.stdout
-
-
-def _stage_ms(out, stage):
-  m = re.search(rf'^  {re.escape(stage)} +([\d.]+) ms', out, re.M)
-  assert m, (stage, out)
-  return float(m.group(1))
-
-
-@pytest.mark.slow
-def test_train_step_profile_names_the_stages():
-  out = _bench('train_step.py', '--rounds=1', '--steps_per_round=1',
-               '--profile')
-  for stage in ('LM head and loss', 'MLP', 'attention core',
-                'attention projections', 'optimizer and clipping'):
-    assert _stage_ms(out, stage) > 0, stage
-  assert 'longest instructions:' in out
-  assert re.search(r'^ratio_vs_torch=[\d.]+$', out, re.M), out
-
-
-@pytest.mark.slow
-def test_sampler_profile_splits_prefill_and_decode_stages():
-  out = _bench('sampler.py', '--rounds=1', '--batch=2', '--new=8',
-               '--skip-sessions', '--profile')
-  assert _stage_ms(out, 'prefill and set-up') > 0
-  for stage in ('attention over the cache', 'MLP', 'LM head',
-                'q/k/v/o projections'):
-    m = re.search(rf'^  decode: {re.escape(stage)}, ([\d.]+) ms a step +'
-                  r'([\d.]+) ms', out, re.M)
-    assert m and float(m.group(2)) > 0, (stage, out)
-    assert float(m.group(1)) == pytest.approx(float(m.group(2)) / 8,
-                                              abs=0.01), m.group(0)
-  assert re.search(r'ratio_vs_transformers=[\d.]+ bandwidth_frac=[\d.]+',
-                   out), out
