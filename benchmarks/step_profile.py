@@ -179,8 +179,9 @@ def run(fn, hlo_text: str, classify, top: int = 8):
   seconds, the `top` instructions that took longest as [name, stage,
   innermost frame, seconds]).
 
-  classify(stack) -> stage name, for a stack from `stacks` (empty when the
-  module has no stack for the instruction).
+  classify(stack) -> stage name, for a stack from `stacks` (the one frame
+  '<no source: opcode>' for an instruction without a source; empty for the
+  few traced names the module lacks).
   """
   import jax  # pylint: disable=g-import-not-at-top
   where = stacks(hlo_text)
