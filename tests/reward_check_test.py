@@ -106,7 +106,8 @@ def _env(config_name, arg, tmp_path):
 
 @pytest.mark.parametrize('config_name,arg', [
     ('tiny', 'full'), ('default', 'full'), ('alfworld', 'smoke'),
-    ('coding', 'smoke')])
+    pytest.param('coding', 'smoke', marks=pytest.mark.skipif(
+        not sandbox.available(), reason='needs bubblewrap'))])
 def test_every_settings_known_outcomes_hold(config_name, arg, tmp_path):
   name, env = _env(config_name, arg, tmp_path)
   try:
