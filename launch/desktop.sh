@@ -428,6 +428,17 @@ CONF
     for name in bwrap unshare nsenter setpriv; do
       command -v $name >/dev/null || die "$name is not installed (apt-get install bubblewrap util-linux)"
     done
+    # The host's X socket dir, which the mount namespace binds. Xvfb makes
+    # it on first use, so on a machine that has never run X it is missing;
+    # where an ordinary user's X server made it, that user could delete and
+    # replace this desktop's socket in it: root takes it over (sticky /tmp
+    # then keeps its owner from renaming it).
+    mkdir -p -m 1777 /tmp/.X11-unix
+    [ -L /tmp/.X11-unix ] || chown -h 0:0 /tmp/.X11-unix
+    [ -d /tmp/.X11-unix ] && [ ! -L /tmp/.X11-unix ] &&
+      [ "$(stat -c %u /tmp/.X11-unix)" = 0 ] ||
+      die "/tmp/.X11-unix is not a directory root owns (a symlink, or another user's); remove it while no X server runs"
+    chmod 1777 /tmp/.X11-unix
     local why
     why=$(bwrap "${INFRA_MOUNTS[@]}" -- true 2>&1) ||
       die "root's bwrap cannot make the desktop's mount namespace ($why); a container without CAP_SYS_ADMIN cannot: start the trainer as an ordinary user there"
@@ -438,7 +449,6 @@ CONF
     grep -v '^tty:\|^[^:]*:[^:]*:1000:' /etc/group > "$RUN_DIR/group"
     echo "user:x:1000:" >> "$RUN_DIR/group"
     chown -R "$DESK_UID:$DESK_UID" "$state" "$HOME_DIR"
-    mkdir -p -m 1777 /tmp/.X11-unix
     # The user namespace, held by a process of root's: uid 1000 in it is
     # DESK_UID here, and no other uid is mapped.
     setsid unshare --user sleep infinity < /dev/null > /dev/null 2>&1 &

@@ -399,3 +399,32 @@ def test_the_jail_of_an_unprivileged_trainer():
   assert (home, homes) == ('/home/user', 'user')
   assert [i.strip() for i in interfaces] == ['lo']
   assert not _alive('sleep\0006161')
+
+
+@root_only
+def test_a_root_desktop_takes_over_an_x_socket_dir_another_user_made(
+    tmp_path):
+  """An ordinary user's X server that ran first made /tmp/.X11-unix theirs:
+  they could then delete a root desktop's socket there and put their own in
+  its place. A missing dir (a machine that never ran X) is made."""
+  x11 = '/tmp/.X11-unix'
+  setups = ['theirs']
+  if not os.listdir(x11 if os.path.isdir(x11) else tmp_path):
+    setups.insert(0, 'missing')  # no X server runs now: the dir may go
+  for setup in setups:
+    if setup == 'missing':
+      shutil.rmtree(x11, ignore_errors=True)
+    else:
+      os.makedirs(x11, mode=0o1777, exist_ok=True)
+      os.chown(x11, 65534, 65534)
+    made = desktop.LocalDesktop(desktop.free_display(360), size=(640, 400),
+                                home=str(tmp_path / setup / 'home'),
+                                run_dir=str(tmp_path / setup / 'run'))
+    made.start()
+    try:
+      shown = made.client.execute('echo up', shell=True)['output']
+      assert shown == 'up\n', setup
+    finally:
+      made.stop()
+    info = os.lstat(x11)
+    assert (info.st_uid, info.st_mode & 0o7777) == (0, 0o1777), setup
