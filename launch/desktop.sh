@@ -433,8 +433,8 @@ CONF
     # where an ordinary user's X server made it, that user could delete and
     # replace this desktop's socket in it: root takes it over (sticky /tmp
     # then keeps its owner from renaming it).
-    mkdir -p -m 1777 /tmp/.X11-unix
-    [ -L /tmp/.X11-unix ] || chown -h 0:0 /tmp/.X11-unix
+    mkdir -p -m 1777 /tmp/.X11-unix 2>/dev/null || true
+    [ -L /tmp/.X11-unix ] || chown -h 0:0 /tmp/.X11-unix 2>/dev/null || true
     [ -d /tmp/.X11-unix ] && [ ! -L /tmp/.X11-unix ] &&
       [ "$(stat -c %u /tmp/.X11-unix)" = 0 ] ||
       die "/tmp/.X11-unix is not a directory root owns (a symlink, or another user's); remove it while no X server runs"

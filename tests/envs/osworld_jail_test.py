@@ -406,11 +406,24 @@ def test_a_root_desktop_takes_over_an_x_socket_dir_another_user_made(
     tmp_path):
   """An ordinary user's X server that ran first made /tmp/.X11-unix theirs:
   they could then delete a root desktop's socket there and put their own in
-  its place. A missing dir (a machine that never ran X) is made."""
+  its place. A missing dir (a machine that never ran X) is made; a symlink
+  planted in its place is refused."""
   x11 = '/tmp/.X11-unix'
   setups = ['theirs']
   if not os.listdir(x11 if os.path.isdir(x11) else tmp_path):
-    setups.insert(0, 'missing')  # no X server runs now: the dir may go
+    # No X server runs now: the dir may go, or be a planted symlink.
+    setups.insert(0, 'missing')
+    shutil.rmtree(x11, ignore_errors=True)
+    (tmp_path / 'elsewhere').mkdir()
+    os.symlink(tmp_path / 'elsewhere', x11)
+    planted = desktop.LocalDesktop(desktop.free_display(360),
+                                   home=str(tmp_path / 'link' / 'home'),
+                                   run_dir=str(tmp_path / 'link' / 'run'))
+    try:
+      with pytest.raises(desktop.DesktopError, match='not a directory root'):
+        planted.start()
+    finally:
+      os.unlink(x11)
   for setup in setups:
     if setup == 'missing':
       shutil.rmtree(x11, ignore_errors=True)
