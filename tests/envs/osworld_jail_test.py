@@ -411,7 +411,8 @@ def test_a_root_desktop_takes_over_an_x_socket_dir_another_user_made(
   x11 = '/tmp/.X11-unix'
   setups = ['theirs']
   if not os.listdir(x11 if os.path.isdir(x11) else tmp_path):
-    # No X server runs now: the dir may go, or be a planted symlink.
+    # No X server runs now: the dir may go, or be a planted symlink (once
+    # unlinked, the dir is missing for the first desktop below).
     setups.insert(0, 'missing')
     shutil.rmtree(x11, ignore_errors=True)
     (tmp_path / 'elsewhere').mkdir()
@@ -425,9 +426,7 @@ def test_a_root_desktop_takes_over_an_x_socket_dir_another_user_made(
     finally:
       os.unlink(x11)
   for setup in setups:
-    if setup == 'missing':
-      shutil.rmtree(x11, ignore_errors=True)
-    else:
+    if setup == 'theirs':
       os.makedirs(x11, mode=0o1777, exist_ok=True)
       os.chown(x11, 65534, 65534)
     made = desktop.LocalDesktop(desktop.free_display(360), size=(640, 400),
